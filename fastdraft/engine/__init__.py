@@ -1,0 +1,1 @@
+"""Runtime: KV cache, sampling parameters, tokenizer and generation."""

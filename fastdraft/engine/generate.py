@@ -1,0 +1,195 @@
+"""Single-sequence generation: ``prefill``, ``decode_one_token`` and a streaming text generator.
+
+The token-level functions follow gpt-fast: plain functions over a model and a pre-allocated
+KV cache. :class:`TextGenerator` adds tokenization, chat templates, stop strings, streaming
+and the user-visible metrics (TTFT, TPOT, tokens/s).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from fastdraft.layers.sampler import sample
+from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.loader import LoadedModel
+
+
+@torch.inference_mode()
+def prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
+    """Run the prompt ``input_ids`` [1, num_tokens] into an empty slot; return last logits [1, vocab]."""
+    kv_cache.reset(slot)
+    meta = kv_cache.append(input_ids.shape[1], slot)
+    hidden = model(input_ids, kv_cache, meta)  # [1, num_tokens, hidden]
+    return model.compute_logits(hidden[:, -1])
+
+
+@torch.inference_mode()
+def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
+    """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]."""
+    meta = kv_cache.append(1, slot)
+    hidden = model(token_id, kv_cache, meta)
+    return model.compute_logits(hidden[:, -1])
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: int) -> None:
+    """Reject a request that cannot run, before any work starts."""
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty")
+    if num_prompt_tokens + params.max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"maximum sequence length {max_seq_len}"
+        )
+
+
+def generate_token_ids(model: LlamaForCausalLM, prompt_ids: list[int], params: SamplingParams,
+                       kv_cache: KVCache, eos_token_ids: list[int], slot: int = 0) -> Iterator[int]:
+    """Yield new token ids one by one until EOS or ``max_new_tokens`` (the EOS id is yielded)."""
+    check_request(len(prompt_ids), params, kv_cache.max_seq_len)
+    generator = make_generator(params.seed, model.device)
+    eos = set() if params.ignore_eos else set(eos_token_ids)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    logits = prefill(model, input_ids, kv_cache, slot)
+    for step in range(params.max_new_tokens):
+        next_id = sample(logits, params, generator)  # [1]
+        token = int(next_id)
+        yield token
+        if token in eos or step == params.max_new_tokens - 1:
+            return
+        logits = decode_one_token(model, next_id.view(1, 1), kv_cache, slot)
+
+
+@dataclass
+class GenerationMetrics:
+    """Latency figures of one request. Times are in seconds."""
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    ttft_s: float = 0.0  # request start -> first token
+    token_latencies_s: list[float] = field(default_factory=list)  # gaps between later tokens
+    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+
+    @property
+    def tpot_s(self) -> float:
+        """Median time per output token after the first."""
+        return statistics.median(self.token_latencies_s) if self.token_latencies_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        total = sum(self.token_latencies_s)
+        return len(self.token_latencies_s) / total if total > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt {self.num_prompt_tokens} tok | generated {self.num_generated_tokens} tok | "
+                f"TTFT {self.ttft_s * 1e3:.0f} ms | TPOT {self.tpot_s * 1e3:.1f} ms | "
+                f"decode {self.decode_tokens_per_s:.2f} tok/s | finish: {self.finish_reason}")
+
+
+class GenerationStream:
+    """Iterator of text pieces; ``token_ids``, ``text`` and ``metrics`` are complete once exhausted."""
+
+    def __init__(self) -> None:
+        self._pieces: Iterator[str] = iter(())
+        self.metrics = GenerationMetrics()
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self.text += piece
+            yield piece
+
+    def consume(self) -> "GenerationStream":
+        for _ in self:
+            pass
+        return self
+
+
+class TextGenerator:
+    """Prompt in, streamed text out, for one model with its own pre-allocated KV cache."""
+
+    def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096) -> None:
+        self.model = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.config.eos_token_ids
+        self.kv_cache = KVCache.from_config(loaded.config, max_seq_len, dtype=self.model.dtype,
+                                            device=self.model.device)
+
+    def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
+        """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
+        if isinstance(prompt, list):
+            text = self.tokenizer.apply_chat_template(prompt)
+        elif chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        else:
+            text = prompt
+        return self.tokenizer.encode(text, add_special_tokens=not (chat or isinstance(prompt, list)))
+
+    def stream(self, prompt: str | list[dict[str, str]], params: SamplingParams | None = None,
+               chat: bool = False) -> GenerationStream:
+        """Start generating; iterate the result for text pieces. Validation errors raise here."""
+        params = params or SamplingParams()
+        start = time.perf_counter()
+        prompt_ids = self.encode_prompt(prompt, chat)
+        check_request(len(prompt_ids), params, self.kv_cache.max_seq_len)
+        stream = GenerationStream()
+        stream.metrics.num_prompt_tokens = len(prompt_ids)
+        token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)
+        stream._pieces = self._pieces(token_iter, params, start, stream)
+        return stream
+
+    def generate(self, prompt: str | list[dict[str, str]], params: SamplingParams | None = None,
+                 chat: bool = False) -> GenerationStream:
+        """Generate to completion; the returned stream holds ``text``, ``token_ids`` and ``metrics``."""
+        return self.stream(prompt, params, chat).consume()
+
+    def _pieces(self, token_iter: Iterator[int], params: SamplingParams, start: float,
+                stream: GenerationStream) -> Iterator[str]:
+        metrics = stream.metrics
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stop = StopStringMatcher(list(params.stop))
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        last = start
+        metrics.finish_reason = "length"
+        for token in token_iter:
+            now = time.perf_counter()
+            if metrics.num_generated_tokens == 0:
+                metrics.ttft_s = now - start
+            else:
+                metrics.token_latencies_s.append(now - last)
+            last = now
+            metrics.num_generated_tokens += 1
+            stream.token_ids.append(token)
+            if token in eos:
+                metrics.finish_reason = "stop"
+                break
+            piece = stop.feed(detok.add(token))
+            if piece:
+                yield piece
+            if stop.is_stopped:
+                metrics.finish_reason = "stop"
+                return
+        tail = stop.flush()
+        if tail:
+            yield tail

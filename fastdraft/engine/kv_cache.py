@@ -1,0 +1,133 @@
+"""A pre-allocated KV cache with one row ("slot") per sequence.
+
+Buffers are allocated once, sized from the model config and a maximum length, and never
+reallocated per token. Each slot holds one sequence; its length can be rolled back with
+:meth:`KVCache.truncate`, which is all speculative decoding needs to discard rejected tokens
+(stale entries past the length are simply overwritten later).
+
+Every forward pass receives an :class:`AttentionMetadata` that says, for each sequence of the
+batch, which slot it lives in and the absolute position of each of its new tokens. Sequences
+in one batch may therefore sit at different positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdraft.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one forward pass go in the cache, and what they may attend to."""
+
+    positions: torch.Tensor  # [batch, num_tokens] absolute positions of the new tokens
+    slot_ids: torch.Tensor  # [batch] cache slot of each sequence
+    context_len: int  # number of key positions to attend over (max last position + 1)
+    # Set when batch == 1 and positions are start..start+num_tokens-1: enables slice writes.
+    contiguous_start: int | None = None
+    # [batch, 1, num_tokens, context_len] bool, True = may attend. None when every new token
+    # may see the whole context (single-token decode) or when ``is_prefill`` (plain causal).
+    attn_mask: torch.Tensor | None = None
+    is_prefill: bool = False  # contiguous tokens starting at position 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
+
+    @classmethod
+    def contiguous(cls, start: int, num_tokens: int, slot: int = 0,
+                   device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """One sequence in ``slot`` appending ``num_tokens`` tokens after ``start`` cached ones."""
+        positions = torch.arange(start, start + num_tokens, device=device).unsqueeze(0)
+        context_len = start + num_tokens
+        is_prefill = start == 0 and num_tokens > 1
+        mask = None
+        if num_tokens > 1 and not is_prefill:
+            key_pos = torch.arange(context_len, device=device)
+            mask = (key_pos[None, :] <= positions[0, :, None]).view(1, 1, num_tokens, context_len)
+        return cls(positions=positions, slot_ids=torch.tensor([slot], device=device),
+                   context_len=context_len, contiguous_start=start, attn_mask=mask,
+                   is_prefill=is_prefill)
+
+    @classmethod
+    def batched(cls, positions: torch.Tensor, slot_ids: torch.Tensor) -> "AttentionMetadata":
+        """General case: ``positions`` [batch, num_tokens], one cache slot per row."""
+        if positions.dim() != 2 or slot_ids.dim() != 1 or positions.shape[0] != slot_ids.shape[0]:
+            raise ValueError("positions must be [batch, num_tokens] and slot_ids [batch]")
+        context_len = int(positions.max()) + 1
+        key_pos = torch.arange(context_len, device=positions.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [batch, num_tokens, context_len]
+        return cls(positions=positions, slot_ids=slot_ids, context_len=context_len,
+                   attn_mask=mask.unsqueeze(1))
+
+
+class KVCache:
+    """Key/value buffers ``[num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim]``."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                 max_batch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> None:
+        if max_seq_len <= 0 or max_batch_size <= 0:
+            raise ValueError("max_seq_len and max_batch_size must be positive")
+        shape = (num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.seq_lens = [0] * max_batch_size  # host-side length of each slot
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, max_seq_len: int, max_batch_size: int = 1,
+                    dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> "KVCache":
+        max_seq_len = min(max_seq_len, config.max_position_embeddings)
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                   max_seq_len, max_batch_size, dtype, device)
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def append(self, num_tokens: int, slot: int = 0) -> AttentionMetadata:
+        """Reserve ``num_tokens`` positions after the slot's current length; return their metadata."""
+        start = self.seq_lens[slot]
+        if start + num_tokens > self.max_seq_len:
+            raise ValueError(
+                f"sequence would reach {start + num_tokens} tokens, beyond the KV cache's "
+                f"max_seq_len of {self.max_seq_len}"
+            )
+        self.seq_lens[slot] = start + num_tokens
+        return AttentionMetadata.contiguous(start, num_tokens, slot, device=self.k.device)
+
+    def truncate(self, length: int, slot: int = 0) -> None:
+        """Roll the slot back to its first ``length`` tokens (e.g. after rejected draft tokens)."""
+        if not 0 <= length <= self.seq_lens[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.seq_lens[slot]} to {length}")
+        self.seq_lens[slot] = length
+
+    def reset(self, slot: int | None = None) -> None:
+        if slot is None:
+            self.seq_lens = [0] * self.max_batch_size
+        else:
+            self.seq_lens[slot] = 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values ``[batch, num_kv_heads, num_tokens, head_dim]`` and return
+        all keys/values the batch attends to, ``[batch, num_kv_heads, context_len, head_dim]``."""
+        k_layer, v_layer = self.k[layer_idx], self.v[layer_idx]
+        if meta.contiguous_start is not None:
+            slot = int(meta.slot_ids[0])
+            start, end = meta.contiguous_start, meta.contiguous_start + meta.num_tokens
+            k_layer[slot, :, start:end].copy_(k[0])
+            v_layer[slot, :, start:end].copy_(v[0])
+            # Views, not copies: decode reads exactly the live prefix of the slot.
+            return (k_layer[slot, :, :meta.context_len].unsqueeze(0),
+                    v_layer[slot, :, :meta.context_len].unsqueeze(0))
+        slots = meta.slot_ids[:, None]  # [batch, 1]
+        # Advanced indices around a slice put the indexed dims first: [batch, tokens, heads, dim].
+        k_layer[slots, :, meta.positions] = k.transpose(1, 2)
+        v_layer[slots, :, meta.positions] = v.transpose(1, 2)
+        return k_layer[meta.slot_ids, :, :meta.context_len], v_layer[meta.slot_ids, :, :meta.context_len]

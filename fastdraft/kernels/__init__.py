@@ -1,0 +1,1 @@
+"""Fast CPU kernels (to come), each with a plain PyTorch reference twin."""

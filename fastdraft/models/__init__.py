@@ -1,0 +1,1 @@
+"""Model implementations, model registry (offline pull) and loading."""

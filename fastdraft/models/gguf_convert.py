@@ -1,0 +1,253 @@
+"""Convert a GGUF file into a plain HF model folder.
+
+The folder holds ``config.json``, ``model.safetensors`` (bf16 by default), ``tokenizer.json``,
+``tokenizer_config.json`` and ``generation_config.json``. Weights are dequantized with the
+``gguf`` package; the tokenizer is rebuilt from the GGUF vocabulary with ``tokenizers``.
+The folder is written to a temporary sibling and renamed into place, so an interrupted
+conversion never leaves a half-written model that looks good.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from fastdraft.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after "blk.N.") -> HF parameter name (after "model.layers.N.").
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+
+# Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (the same regexes the
+# original HF tokenizer.json files use).
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+class GGUFError(ValueError):
+    """The GGUF file is unreadable or describes something we cannot convert."""
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _read_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}")
+    names = {t.name for t in reader.tensors}
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=int(embed.shape[1]) if tokens is None else max(len(tokens), int(embed.shape[1])),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_eos_token_ids(reader),
+        torch_dtype="bfloat16",
+    )
+
+
+# Control tokens that end a generation even when the GGUF names another EOS; the same list
+# llama.cpp uses to find "end of generation" tokens (e.g. Qwen's <|endoftext|> beside <|im_end|>).
+_END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>")
+
+
+def _eos_token_ids(reader: Any) -> list[int] | None:
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = _field(reader, key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    token_types = _field(reader, "tokenizer.ggml.token_type") or []
+    for idx, (text, kind) in enumerate(zip(tokens, token_types)):
+        if kind == _TOKEN_TYPE_CONTROL and text in _END_OF_GENERATION_TEXTS and idx not in ids:
+            ids.append(idx)
+    return ids or None
+
+
+def _unpermute_llama(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo the row permutation llama.cpp applies to Q/K of ``llama`` models for its RoPE."""
+    dim = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, dim, 2, *weight.shape[1:])
+    return w.swapaxes(2, 1).reshape(weight.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_TENSORS:
+            return f"model.layers.{idx}.{_LAYER_TENSORS[rest]}"
+    return None
+
+
+def _convert_tensors(reader: Any, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise GGUFError(f"unexpected tensor {t.name!r} in GGUF file")
+        array = dequantize(t.data, t.tensor_type)
+        # gguf lists dims fastest-first; numpy data is already [rows, cols] = [out, in].
+        array = array.reshape([int(d) for d in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
+        if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _unpermute_llama(array, heads)
+        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # copy: memmap is read-only
+    embed = tensors["model.embed_tokens.weight"]
+    if embed.shape[0] < config.vocab_size:
+        raise GGUFError("embedding has fewer rows than the vocabulary")
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def build_tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
+    """Rebuild an HF ``tokenizers.Tokenizer`` and its tokenizer_config from GGUF metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is implemented")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                                     continuing_subword_prefix="", end_of_word_suffix="",
+                                     fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre in ("llama-bpe", "llama3"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "smollm":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        logger.warning("unknown GGUF pre-tokenizer %r; using GPT-2 byte-level splitting", pre)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    added = [AddedToken(tok, special=(kind_ == _TOKEN_TYPE_CONTROL), normalized=False)
+             for tok, kind_ in zip(tokens, token_types)
+             if kind_ in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
+    tokenizer.add_tokens(added)
+
+    def token_at(key: str) -> str | None:
+        idx = _field(reader, key)
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_at("tokenizer.ggml.eos_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return tokenizer, tokenizer_config
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Dequantize ``gguf_path`` into an HF folder at ``out_dir`` (atomically). Returns ``out_dir``."""
+    import gguf
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:  # gguf raises assorted errors on corrupt input
+        raise GGUFError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+    config = _read_config(reader)
+    tensors = _convert_tensors(reader, config, dtype)
+    tokenizer, tokenizer_config = build_tokenizer(reader)
+    config.torch_dtype = str(dtype).removeprefix("torch.")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+        (tmp_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+        (tmp_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    logger.info("converted %s -> %s", gguf_path, out_dir)
+    return out_dir

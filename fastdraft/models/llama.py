@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) with HF parameter names.
+
+One forward pass takes a batch of sequences, each at its own positions, and writes their
+keys/values into a :class:`~fastdraft.engine.kv_cache.KVCache` described by
+:class:`~fastdraft.engine.kv_cache.AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdraft.config import ModelConfig
+from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.attention import cached_attention
+from fastdraft.layers.norm import RMSNorm
+from fastdraft.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        batch, num_tokens, _ = hidden_states.shape
+        # [batch, heads, num_tokens, head_dim]
+        q = self.q_proj(hidden_states).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_all, v_all = kv_cache.update(self.layer_idx, k, v, meta)
+        out = cached_attention(q, k_all, v_all, meta, self.scale)
+        out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, kv_cache, meta)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin, kv_cache, meta)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` projects
+    only the rows the caller needs (the last one in plain decoding, k+1 rows in verification)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [batch, num_tokens] -> hidden states [batch, num_tokens, hidden_size]."""
+        return self.model(input_ids, kv_cache, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[..., hidden_size] -> fp32 logits [..., vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device

@@ -1,0 +1,1 @@
+"""Weight-only low-bit quantization (to come: RTN, GPTQ, AWQ)."""

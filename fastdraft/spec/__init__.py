@@ -1,0 +1,1 @@
+"""Speculative decoding (to come: proposers, verifier, rejection sampler)."""
