@@ -6,6 +6,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -15,6 +16,9 @@ from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, pull
+
+if TYPE_CHECKING:
+    from fastdraft.quant.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +80,36 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Instantiate our model from HF-named weights without a second copy in memory."""
+                device: torch.device | str = "cpu", quant_config: "QuantConfig | None" = None) -> LlamaForCausalLM:
+    """Instantiate our model from HF-named weights without a second copy in memory.
+
+    With ``quant_config`` the dense linears are first replaced by quantized placeholders, so
+    a saved quantized checkpoint loads as is.
+    """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+        if quant_config is not None:
+            from fastdraft.quant.checkpoint import apply_quant_structure
+
+            apply_quant_structure(model, quant_config)
+    is_tied = config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear)
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)
     expected = set(model.state_dict())
-    if config.tie_word_embeddings:
+    if is_tied:
+        state_dict.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    # Quantized codes and their fp16 scales keep their storage dtype; everything else follows dtype.
+    state_dict = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and not k.endswith(".scales") else None)
+                  for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if is_tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if quant_config is not None:
+        model.quant_config = quant_config
     return model.eval()
 
 
@@ -105,15 +121,34 @@ class LoadedModel:
     model_dir: Path
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "bf16",
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Load ``model`` (a known name, HF folder or .gguf path) with weights in ``dtype``."""
+def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
+               load_in_low_bit: str | None = None) -> LoadedModel:
+    """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
+
+    ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
+    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, group 128) with
+    compute in ``dtype``.
+    """
+    from fastdraft.quant.checkpoint import quant_config_from_model_config
+    from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
+
+    if load_in_low_bit is not None and load_in_low_bit not in LOW_BIT_NAMES:
+        raise ValueError(f"unknown load_in_low_bit {load_in_low_bit!r}; choose from {', '.join(LOW_BIT_NAMES)}")
+    if load_in_low_bit in ("bf16", "fp32"):
+        dtype = load_in_low_bit
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
-    net = build_model(config, load_state_dict(model_dir), torch_dtype, device)
+    saved_quant = quant_config_from_model_config(config.extra)
+    net = build_model(config, load_state_dict(model_dir), torch_dtype, device, saved_quant)
+    if load_in_low_bit in ("sym_int4", "asym_int4", "int8"):
+        if saved_quant is not None:
+            raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")
+        from fastdraft.quant.quantizer import quantize_model
+
+        quantize_model(net, QuantConfig.from_low_bit(load_in_low_bit), show_progress=False)
     tokenizer = Tokenizer(model_dir)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, model_dir=model_dir)

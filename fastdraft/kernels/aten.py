@@ -1,0 +1,74 @@
+"""PyTorch's own weight-only matmuls (``aten._weight_int4pack_mm_for_cpu``,
+``aten._weight_int8pack_mm``).
+
+INT4: the op computes ``(q - 8) * scale + offset`` per group; our asymmetric zero point maps
+to ``offset = (8 - zero) * scale``. It accepts group sizes 32..256 only, so larger groups are
+expressed exactly as several 256-wide groups with repeated scales. Its scales live in the
+activation dtype, so with bf16 activations they lose precision versus the fp16 originals.
+INT8: per-channel only (one scale per output row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
+from fastdraft.quant.format import QuantizedWeight, unpack_int4
+
+
+class AtenInt4Kernel(WeightOnlyKernel):
+    name = "aten-int4"
+    capabilities = KernelCapabilities(bits=(4,), is_asym_supported=True, group_sizes=(32, 64, 128, 256),
+                                      activation_dtypes=(torch.float32, torch.bfloat16),
+                                      device_types=("cpu",), priority=10)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        group = self.effective_group_size(qw)
+        if group is None:
+            raise ValueError(f"{self.name} cannot express group size {qw.group_size}")
+        repeat = qw.group_size // group
+        q = unpack_int4(qw.qweight).to(torch.int32)  # [N, K]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales = qw.scales.float()  # [N, num_groups]
+        zeros = torch.full_like(scales, 8.0) if qw.zeros is None else qw.zeros.float()
+        offsets = (8.0 - zeros) * scales
+        scale_and_zero = torch.stack((scales, offsets), dim=-1).repeat_interleave(repeat, dim=1)
+        self.scale_and_zero = scale_and_zero.transpose(0, 1).contiguous().to(dtype)  # [K / group, N, 2]
+        self.group_size = group
+        self.out_features = qw.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed,
+                                                       self.group_size, self.scale_and_zero)
+        return y.view(*lead, self.out_features)
+
+
+class AtenInt8Kernel(WeightOnlyKernel):
+    name = "aten-int8"
+    capabilities = KernelCapabilities(bits=(8,), is_asym_supported=False, group_sizes=None,
+                                      activation_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                                      device_types=("cpu", "cuda"), priority=10)
+
+    @classmethod
+    def supports(cls, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        per_channel = qw.group_size == qw.in_features
+        return per_channel and super().supports(qw, dtype, device)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        self.qweight = qw.qweight.to(device)  # [N, K] int8
+        self.scales = qw.scales[:, 0].to(device=device, dtype=dtype).contiguous()  # [N]
+        self.out_features = qw.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales)
+        return y.view(*lead, self.out_features)

@@ -1,0 +1,84 @@
+"""AWQ (Lin et al., 2023): activation-aware weight quantization.
+
+Input channels that see large activations matter most. For each group of linears that share
+an input, search a per-channel scale ``s = mean|x|^alpha`` (normalized) that minimizes the
+output error of ``Q(W * s) @ (x / s)``; fold ``1 / s`` into the op that produces ``x`` (an
+RMSNorm weight or the previous linear's rows) so the model computes the same function, then
+search a per-group clipping range of the scaled weights. Finally RTN-quantize.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdraft.quant.format import dequantize, quantize
+
+_NUM_GRID = 20
+
+
+def _fake_quant(w: torch.Tensor, group_size: int, sym: bool) -> torch.Tensor:
+    return dequantize(quantize(w, 4, group_size, sym))
+
+
+@torch.no_grad()
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, sym: bool) -> torch.Tensor:
+    """Best per-input-channel scale [K] for linears ``weights`` ([N_i, K]) fed by ``x`` [rows, K]."""
+    x = x.float()
+    x_mean = x.abs().mean(dim=0)  # [K]
+    w_cat = torch.cat([w.float() for w in weights], dim=0)  # [sum N_i, K]
+    reference = x @ w_cat.t()
+    best_err, best_scales = float("inf"), torch.ones_like(x_mean)
+    for step in range(_NUM_GRID):
+        alpha = step / _NUM_GRID
+        scales = x_mean.pow(alpha).clamp(min=1e-4)
+        scales = scales / (scales.max() * scales.min()).sqrt()
+        w_q = _fake_quant(w_cat * scales, group_size, sym) / scales
+        err = (x @ w_q.t() - reference).pow(2).mean().item()
+        if err < best_err:
+            best_err, best_scales = err, scales
+    return best_scales
+
+
+@torch.no_grad()
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: bool,
+                max_shrink: float = 0.5, num_rows: int = 512) -> torch.Tensor:
+    """Clip each weight group to the range that minimizes its output error; returns the clipped weight."""
+    w = weight.float()
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    x = x.float()
+    if x.shape[0] > num_rows:
+        x = x[torch.linspace(0, x.shape[0] - 1, num_rows).long()]
+    xg = x.view(x.shape[0], k // g, g)  # [rows, groups, G]
+    wg = w.view(n, k // g, g)  # [N, groups, G]
+    reference = torch.einsum("rgi,ngi->ngr", xg, wg)  # per-group partial outputs
+    w_max, w_min = wg.amax(dim=-1, keepdim=True), wg.amin(dim=-1, keepdim=True)
+    if sym:
+        w_max = torch.maximum(w_max.abs(), w_min.abs())
+        w_min = -w_max
+    best = wg.clone()
+    best_err = torch.full((n, k // g), float("inf"))
+    for step in range(int(max_shrink * _NUM_GRID)):
+        ratio = 1 - step / _NUM_GRID
+        clipped = torch.maximum(torch.minimum(wg, w_max * ratio), w_min * ratio)
+        q = _fake_quant(clipped.reshape(n, k), group_size, sym).view(n, k // g, g)
+        err = (torch.einsum("rgi,ngi->ngr", xg, q) - reference).pow(2).mean(dim=-1)  # [N, groups]
+        is_better = err < best_err
+        best_err = torch.where(is_better, err, best_err)
+        best = torch.where(is_better.unsqueeze(-1), clipped, best)
+    return best.reshape(n, k).to(weight.dtype)
+
+
+@torch.no_grad()
+def fold_scales(prev: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:
+    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' inputs by it."""
+    s = scales.to(torch.float32)
+    if isinstance(prev, nn.Linear):
+        prev.weight.copy_((prev.weight.float() / s.unsqueeze(1)).to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.copy_((prev.bias.float() / s).to(prev.bias.dtype))
+    else:  # RMSNorm: y = weight * normalized(x)
+        prev.weight.copy_((prev.weight.float() / s).to(prev.weight.dtype))
+    for linear in linears:
+        linear.weight.copy_((linear.weight.float() * s.unsqueeze(0)).to(linear.weight.dtype))

@@ -1,0 +1,86 @@
+"""Quantized checkpoints: an HF-style folder whose ``config.json`` carries a
+``quantization_config`` and whose ``model.safetensors`` holds the canonical quantized tensors.
+
+Loading one needs no calibration: the module structure is rebuilt from the config and the
+tensors are assigned as saved. Folders are written to a temporary sibling and renamed into
+place, so an interrupted save never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import nn
+
+from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.format import resolve_group_size
+from fastdraft.quant.linear import QuantEmbedding, QuantLinear
+from fastdraft.quant.quantizer import LAYER_LINEARS, _replace
+
+QUANT_METHOD_TAG = "fastdraft"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def quant_config_from_model_config(extra: dict[str, Any]) -> QuantConfig | None:
+    """The QuantConfig stored in a checkpoint's config.json, or None for a dense model."""
+    raw = extra.get("quantization_config")
+    if raw is None:
+        return None
+    raw = dict(raw)
+    method = raw.pop("quant_method", None)
+    if method != QUANT_METHOD_TAG:
+        raise ValueError(f"unsupported quantization_config.quant_method {method!r} (expected {QUANT_METHOD_TAG!r})")
+    return QuantConfig.from_dict(raw)
+
+
+def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
+    """Replace dense modules with empty quantized placeholders matching ``config``."""
+    for layer in model.model.layers:
+        for name in LAYER_LINEARS:
+            linear: nn.Linear = layer.get_submodule(name)
+            group = resolve_group_size(config.group_size, linear.in_features)
+            _replace(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, config.bits, group,
+                                                    config.sym, linear.bias is not None))
+    if config.lm_head_bits == 8:
+        head = model.lm_head
+        model.lm_head = QuantLinear.empty(head.in_features, head.out_features, 8, head.in_features, True, False)
+    if config.embed_bits == 8:
+        embed = model.model.embed_tokens
+        model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype)
+
+
+def save_quantized(model: LlamaForCausalLM, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
+    """Write a quantized model (and the tokenizer files of ``source_dir``) to ``out_dir`` atomically."""
+    config: QuantConfig | None = getattr(model, "quant_config", None)
+    if config is None:
+        raise ValueError("the model is not quantized")
+    out_dir = Path(out_dir)
+    hf_config = model.config.to_hf_dict()
+    hf_config["quantization_config"] = {"quant_method": QUANT_METHOD_TAG, **config.to_dict()}
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if isinstance(model.lm_head, nn.Linear) and model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shared with the embedding
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+        for name in _TOKENIZER_FILES:
+            if source_dir is not None and (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, tmp_dir / name)
+        os.chmod(tmp_dir, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,97 @@
+"""Quantization configuration, validated, and serialized as ``quant_config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES
+
+METHODS = ("rtn", "gptq", "awq")
+
+# ipex-llm's ``load_in_low_bit`` names.
+LOW_BIT_NAMES = ("sym_int4", "asym_int4", "int8", "bf16", "fp32")
+
+
+@dataclass
+class QuantConfig:
+    """How to quantize a model's linear layers (weight-only).
+
+    ``lm_head_bits`` / ``embed_bits`` keep those tensors at 8 bits (INT8 per channel) or 16
+    (unquantized); they are the largest single tensors and the most sensitive.
+    """
+
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128  # 32..1024, or -1 for per channel
+    sym: bool = True
+    act_order: bool = False  # GPTQ only: quantize columns by decreasing Hessian diagonal
+    damp_percent: float = 0.01  # GPTQ: diagonal dampening, fraction of mean(diag(H))
+    lm_head_bits: int = 8
+    embed_bits: int = 16
+    num_calib_samples: int = 64
+    calib_seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group_size != PER_CHANNEL and self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or -1 (per channel), "
+                             f"got {self.group_size}")
+        if self.bits == 8 and not self.sym:
+            raise ValueError("INT8 weight-only quantization is symmetric only")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("act_order applies to GPTQ only")
+        if not 0.0 <= self.damp_percent < 1.0:
+            raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
+        for name in ("lm_head_bits", "embed_bits"):
+            if getattr(self, name) not in (8, 16):
+                raise ValueError(f"{name} must be 8 or 16, got {getattr(self, name)}")
+        if self.num_calib_samples < 1 or self.calib_seq_len < 8:
+            raise ValueError("num_calib_samples must be >= 1 and calib_seq_len >= 8")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in ("gptq", "awq")
+
+    @property
+    def label(self) -> str:
+        group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
+        kind = "sym" if self.sym else "asym"
+        extra = "-actorder" if self.act_order else ""
+        return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
+
+    @classmethod
+    def from_low_bit(cls, name: str, group_size: int = 128) -> "QuantConfig":
+        """Config for ipex-llm style ``load_in_low_bit`` names (RTN, quantized on the fly)."""
+        if name == "sym_int4":
+            return cls(method="rtn", bits=4, group_size=group_size, sym=True)
+        if name == "asym_int4":
+            return cls(method="rtn", bits=4, group_size=group_size, sym=False)
+        if name == "int8":
+            return cls(method="rtn", bits=8, group_size=PER_CHANNEL, sym=True)
+        raise ValueError(f"{name!r} is not a quantized low-bit format; choose from sym_int4, asym_int4, int8")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "QuantConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown quantization config keys: {sorted(unknown)}")
+        return cls(**raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "QuantConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read quantization config {path}: {exc}") from exc
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

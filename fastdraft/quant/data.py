@@ -1,0 +1,93 @@
+"""Offline calibration and evaluation text.
+
+Two sources, both available without a network:
+
+* Code: CPython's own standard-library sources, which fit the code models. A fixed list of
+  modules is held out for evaluation; calibration samples come only from the other files.
+* Prose: public-domain works shipped in ``fastdraft/quant/texts/`` (see its README);
+  ``calib_*.txt`` files are for calibration and ``eval_*.txt`` for evaluation.
+
+Held-out evaluation text is never used for calibration.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastdraft.engine.tokenizer import Tokenizer
+
+TEXTS_DIR = Path(__file__).parent / "texts"
+
+# Held-out standard-library modules (paths relative to the stdlib root).
+EVAL_CODE_FILES = ("argparse.py", "dataclasses.py", "textwrap.py", "fractions.py", "heapq.py")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def calibration_code_files() -> list[Path]:
+    """Standard-library sources usable for calibration: top-level and package modules, minus
+    tests and the held-out evaluation modules, in a stable order."""
+    root = stdlib_root()
+    held_out = {root / f for f in EVAL_CODE_FILES}
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if path in held_out or any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3") for p in rel):
+            continue
+        files.append(path)
+    return files
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class EvalText:
+    name: str
+    text: str
+
+
+def evaluation_texts() -> list[EvalText]:
+    """The held-out evaluation texts: stdlib modules plus public-domain prose."""
+    root = stdlib_root()
+    texts = [EvalText(f"stdlib/{f}", _read(root / f)) for f in EVAL_CODE_FILES if (root / f).is_file()]
+    texts += [EvalText(f"prose/{p.stem.removeprefix('eval_')}", _read(p)) for p in sorted(TEXTS_DIR.glob("eval_*.txt"))]
+    if not texts:
+        raise ValueError("no evaluation texts found")
+    return texts
+
+
+def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, seed: int = 0,
+                        prose_fraction: float = 0.25) -> list[torch.Tensor]:
+    """``num_samples`` windows of ``seq_len`` token ids ([1, seq_len] each), drawn
+    deterministically from calibration code files and calibration prose."""
+    rng = random.Random(seed)
+    prose = [_read(p) for p in sorted(TEXTS_DIR.glob("calib_*.txt"))]
+    code_files = calibration_code_files()
+    num_prose = min(round(num_samples * prose_fraction), num_samples) if prose else 0
+    samples: list[torch.Tensor] = []
+    prose_ids = tokenizer.encode("\n\n".join(prose)) if prose else []
+    for _ in range(num_prose):
+        if len(prose_ids) <= seq_len:
+            break
+        start = rng.randrange(len(prose_ids) - seq_len)
+        samples.append(torch.tensor([prose_ids[start:start + seq_len]]))
+    attempts = 0
+    while len(samples) < num_samples:
+        attempts += 1
+        if attempts > 50 * num_samples:
+            raise ValueError("could not find enough calibration text of the requested length")
+        ids = tokenizer.encode(_read(rng.choice(code_files)))
+        if len(ids) <= seq_len:
+            continue
+        start = rng.randrange(len(ids) - seq_len)
+        samples.append(torch.tensor([ids[start:start + seq_len]]))
+    return samples

@@ -1,0 +1,146 @@
+"""The canonical weight-only formats, and their plain PyTorch reference quantizer.
+
+Every fast path (kernels, GPTQ, AWQ, checkpoint import) produces or consumes exactly these
+tensors, and every kernel is tested against :func:`dequantize` below.
+
+INT4 (``bits=4``)
+-----------------
+A linear weight ``W`` of shape ``[N, K]`` (out_features, in_features) is cut along ``K`` into
+``num_groups = K // G`` groups of ``G`` consecutive input channels; ``G = K`` is per-channel.
+
+* ``qweight``: uint8 ``[N, K // 2]``. Byte ``b`` of row ``n`` holds ``q[n, 2b]`` in its low
+  nibble (bits 0-3) and ``q[n, 2b + 1]`` in its high nibble (bits 4-7). ``q`` is in 0..15.
+* ``scales``: float16 ``[N, num_groups]``.
+* ``zeros``: uint8 ``[N, num_groups]`` in 0..15 for asymmetric; absent for symmetric, where
+  the zero point is the constant 8.
+
+Dequantization, for every ``n, k`` with ``g = k // G``::
+
+    W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g]
+
+Symmetric groups map the value of largest magnitude ``m`` (with its sign) to ``q = 0``:
+``scale = m / -8`` and ``q = clamp(round(w / scale) + 8, 0, 15)`` (llama.cpp's Q4_0 rule,
+which uses all 16 levels). Asymmetric groups use the min/max: ``scale = (max - min) / 15``,
+``zero = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(w / scale) + zero, 0, 15)``.
+
+INT8 (``bits=8``)
+-----------------
+Symmetric only: ``qweight`` is int8 ``[N, K]``, ``scales`` float16 ``[N, num_groups]``,
+``scale = absmax / 127``, ``q = clamp(round(w / scale), -127, 127)``, ``W = q * scale``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, 512, 1024)
+PER_CHANNEL = -1  # group_size value meaning one group spanning all of K
+SCALE_DTYPE = torch.float16
+_MIN_SCALE = 1e-8  # a group of zeros still needs a non-zero scale
+
+
+def resolve_group_size(group_size: int, in_features: int) -> int:
+    """The effective group size for a layer, with a clear error when it does not fit."""
+    if group_size == PER_CHANNEL:
+        return in_features
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or -1 (per channel), got {group_size}")
+    if in_features % group_size != 0:
+        raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
+    return group_size
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized ``[out_features, in_features]`` weight in the canonical layout above."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor  # [N, num_groups] float16
+    zeros: torch.Tensor | None  # [N, num_groups] uint8, asymmetric INT4 only
+    bits: int
+    group_size: int  # effective group size (in_features when per-channel)
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def is_sym(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 ``[N, K]`` -> packed uint8 ``[N, K // 2]`` (even k in the low nibble)."""
+    if q.shape[-1] % 2:
+        raise ValueError("INT4 packing needs an even number of input features")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 ``[N, K // 2]`` -> uint8 values ``[N, K]``."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def int4_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32."""
+    if sym:
+        idx = w.abs().argmax(dim=-1, keepdim=True)
+        signed_max = w.gather(-1, idx).squeeze(-1)
+        scale = signed_max / -8.0
+        scale = torch.where(scale.abs() < _MIN_SCALE, torch.full_like(scale, _MIN_SCALE), scale)
+        return scale, torch.full_like(scale, 8.0)
+    w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((w_max - w_min) / 15.0).clamp(min=_MIN_SCALE)
+    zero = torch.round(-w_min / scale).clamp(0, 15)
+    return scale, zero
+
+
+def quantize_int4_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round(w / scale) + zero, 0, 15) with scale/zero broadcast over the last dim."""
+    return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, 15)
+
+
+def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedWeight:
+    """Round-to-nearest reference quantizer for a ``[N, K]`` weight."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    n, k = weight.shape
+    g = resolve_group_size(group_size, k)
+    w = weight.detach().float().reshape(n, k // g, g)  # [N, num_groups, G]
+    if bits == 8:
+        if not sym:
+            raise ValueError("INT8 weight-only quantization is symmetric only")
+        scale = (w.abs().amax(dim=-1) / 127.0).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+        q = torch.clamp(torch.round(w / scale.float().unsqueeze(-1)), -127, 127).to(torch.int8)
+        return QuantizedWeight(q.reshape(n, k), scale, None, 8, g, k)
+    scale, zero = int4_params(w, sym)
+    # Round the scale to its stored precision first, so q is computed against the real scale.
+    scale = scale.to(SCALE_DTYPE)
+    q = quantize_int4_values(w, scale.float(), zero).to(torch.uint8).reshape(n, k)
+    zeros = None if sym else zero.to(torch.uint8)
+    return QuantizedWeight(pack_int4(q), scale, zeros, 4, g, k)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference dequantization to a dense ``[N, K]`` weight."""
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    scale = qw.scales.float().unsqueeze(-1)  # [N, num_groups, 1]
+    if qw.bits == 8:
+        w = qw.qweight.float().reshape(n, k // g, g) * scale
+    else:
+        q = unpack_int4(qw.qweight).float().reshape(n, k // g, g)
+        zero = torch.full_like(scale, 8.0) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
+        w = (q - zero) * scale
+    return w.reshape(n, k).to(dtype)

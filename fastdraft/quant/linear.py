@@ -1,0 +1,89 @@
+"""Modules that hold canonical quantized weights and run them through a kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdraft.kernels import WeightOnlyKernel, select_kernel
+from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``.
+
+    The state dict holds the canonical tensors (``qweight``, ``scales``, ``qzeros`` for
+    asymmetric INT4, ``bias``); the kernel's repacked copy is derived state, built on first
+    use for the activation dtype and device it sees.
+    """
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, kernel: str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = qw.in_features, qw.out_features
+        self.bits, self.group_size = qw.bits, qw.group_size
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scales", qw.scales)
+        if qw.zeros is not None:
+            self.register_buffer("qzeros", qw.zeros)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernel_name = kernel
+        self._kernel: WeightOnlyKernel | None = None
+        self._kernel_key: tuple | None = None
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bits: int, group_size: int, sym: bool,
+              has_bias: bool, device: torch.device | str = "meta") -> "QuantLinear":
+        """A placeholder with the right tensor shapes, to be filled by ``load_state_dict``."""
+        num_groups = in_features // group_size
+        if bits == 4:
+            qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        else:
+            qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+        scales = torch.empty(out_features, num_groups, dtype=SCALE_DTYPE, device=device)
+        zeros = None if sym else torch.empty(out_features, num_groups, dtype=torch.uint8, device=device)
+        bias = torch.empty(out_features, device=device) if has_bias else None
+        return cls(QuantizedWeight(qweight, scales, zeros, bits, group_size, in_features), bias)
+
+    @property
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, getattr(self, "qzeros", None),
+                               self.bits, self.group_size, self.in_features)
+
+    def kernel_for(self, dtype: torch.dtype, device: torch.device) -> WeightOnlyKernel:
+        key = (dtype, device)
+        if self._kernel is None or self._kernel_key != key:
+            self._kernel = select_kernel(self.quantized_weight, dtype, device, self.kernel_name)
+            self._kernel_key = key
+        return self._kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel_for(x.dtype, x.device)(x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        kernel = self._kernel.name if self._kernel is not None else "unbuilt"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, sym={not hasattr(self, 'qzeros')}, kernel={kernel}")
+
+
+class QuantEmbedding(nn.Module):
+    """INT8 per-row embedding table: only the looked-up rows are dequantized."""
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        if qw.bits != 8 or qw.group_size != qw.in_features:
+            raise ValueError("QuantEmbedding stores INT8 per-row weights")
+        self.register_buffer("qweight", qw.qweight)  # [vocab, hidden] int8
+        self.register_buffer("scales", qw.scales)  # [vocab, 1]
+        self.dtype = dtype
+
+    @classmethod
+    def empty(cls, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | str = "meta") -> "QuantEmbedding":
+        qweight = torch.empty(num_embeddings, dim, dtype=torch.int8, device=device)
+        scales = torch.empty(num_embeddings, 1, dtype=SCALE_DTYPE, device=device)
+        return cls(QuantizedWeight(qweight, scales, None, 8, dim, dim), dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input_ids, self.qweight).float()
+        return (rows * F.embedding(input_ids, self.scales).float()).to(self.dtype)

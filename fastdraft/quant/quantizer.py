@@ -1,0 +1,157 @@
+"""Apply a :class:`QuantConfig` to a model: RTN, GPTQ or AWQ, sharing one calibration pass.
+
+Calibration runs the decoder one layer at a time (as the GPTQ and AWQ papers do): each
+layer sees inputs produced by the already-quantized layers before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from fastdraft.quant import awq
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, quantize
+from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
+from fastdraft.quant.linear import QuantEmbedding, QuantLinear
+
+logger = logging.getLogger(__name__)
+
+# Linears of a decoder layer, grouped by the input they share.
+ATTN_INPUT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+MLP_INPUT = ("mlp.gate_proj", "mlp.up_proj")
+LAYER_LINEARS = (*ATTN_INPUT, "self_attn.o_proj", *MLP_INPUT, "mlp.down_proj")
+_AWQ_MAX_ROWS = 4096  # calibration rows kept per linear input for AWQ's searches
+
+
+class _LayerwiseRunner:
+    """Feeds calibration samples through the decoder one layer at a time."""
+
+    def __init__(self, model: LlamaForCausalLM, samples: list[torch.Tensor]) -> None:
+        seq_len = samples[0].shape[1]
+        self.kv_cache = KVCache.from_config(model.config, seq_len, dtype=model.dtype, device=model.device)
+        self.meta = AttentionMetadata.contiguous(0, seq_len, device=model.device)
+        self.cos, self.sin = model.model.rotary_emb(self.meta.positions, model.dtype)
+        with torch.no_grad():
+            self.hidden = [model.model.embed_tokens(s.to(model.device)) for s in samples]
+
+    @torch.no_grad()
+    def run(self, layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+        return [layer(h, self.cos, self.sin, self.kv_cache, self.meta) for h in self.hidden]
+
+
+@contextmanager
+def _capture_inputs(layer: nn.Module, names: tuple[str, ...], sink) -> Iterator[None]:
+    """Call ``sink(name, x)`` with the input of each named submodule while active."""
+    handles = [layer.get_submodule(name).register_forward_pre_hook(
+        lambda _m, args, name=name: sink(name, args[0])) for name in names]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(layer.get_submodule(parent_name) if parent_name else layer, child, module)
+
+
+def _quant_linear(linear: nn.Linear, qw: QuantizedWeight) -> QuantLinear:
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return QuantLinear(qw, bias)
+
+
+def _rtn(linear: nn.Linear, config: QuantConfig) -> QuantizedWeight:
+    return quantize(linear.weight, config.bits, config.group_size, config.sym)
+
+
+def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig) -> None:
+    accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in LAYER_LINEARS}
+    with _capture_inputs(layer, LAYER_LINEARS, lambda name, x: accumulators[name].add(x)):
+        runner.run(layer)
+    for name in LAYER_LINEARS:
+        linear = layer.get_submodule(name)
+        qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
+                           config.act_order, config.damp_percent)
+        _replace(layer, name, _quant_linear(linear, qw))
+
+
+def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig) -> None:
+    inputs: dict[str, list[torch.Tensor]] = {}
+    wanted = (ATTN_INPUT[0], "self_attn.o_proj", MLP_INPUT[0], "mlp.down_proj")
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        inputs.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).float())
+
+    with _capture_inputs(layer, wanted, keep):
+        runner.run(layer)
+    x = {}
+    for name, chunks in inputs.items():
+        rows = torch.cat(chunks)
+        if rows.shape[0] > _AWQ_MAX_ROWS:  # evenly spaced rows: deterministic and representative
+            rows = rows[torch.linspace(0, rows.shape[0] - 1, _AWQ_MAX_ROWS).long()]
+        x[name] = rows
+    attn, mlp = layer.self_attn, layer.mlp
+    # (op producing the input, linears consuming it, the name their input was captured under)
+    groups = [
+        (layer.input_layernorm, ATTN_INPUT, ATTN_INPUT[0]),
+        (layer.post_attention_layernorm, MLP_INPUT, MLP_INPUT[0]),
+        (mlp.up_proj, ("mlp.down_proj",), "mlp.down_proj"),
+    ]
+    if attn.v_proj.out_features == attn.o_proj.in_features:  # v -> o folds only without GQA
+        groups.append((attn.v_proj, ("self_attn.o_proj",), "self_attn.o_proj"))
+    scaled_inputs: dict[str, torch.Tensor] = {"self_attn.o_proj": x["self_attn.o_proj"]}
+    for prev, names, input_name in groups:
+        linears = [layer.get_submodule(n) for n in names]
+        scales = awq.search_scales(x[input_name], [lin.weight for lin in linears], config.group_size, config.sym)
+        awq.fold_scales(prev, linears, scales)
+        for n in names:  # after folding, these linears see x / s
+            scaled_inputs[n] = x[input_name] / scales
+    for name in LAYER_LINEARS:
+        linear = layer.get_submodule(name)
+        weight = linear.weight
+        if name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax: no clipping
+            weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym)
+        _replace(layer, name, _quant_linear(linear, quantize(weight, 4, config.group_size, config.sym)))
+
+
+def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
+                   calib_samples: list[torch.Tensor] | None = None, show_progress: bool = True) -> LlamaForCausalLM:
+    """Quantize ``model`` in place (decoder linears, then lm_head / embeddings) and return it."""
+    if config.needs_calibration:
+        if not calib_samples:
+            raise ValueError(f"{config.method} needs calibration samples")
+        if config.bits != 4:
+            raise ValueError(f"{config.method} is implemented for 4-bit weights")
+    layers = model.model.layers
+    runner = _LayerwiseRunner(model, calib_samples) if config.needs_calibration else None
+    for layer in tqdm(layers, desc=f"quantizing ({config.label})", disable=not show_progress, leave=False):
+        if config.method == "gptq":
+            _quantize_layer_gptq(layer, runner, config)
+        elif config.method == "awq":
+            _quantize_layer_awq(layer, runner, config)
+        else:
+            for name in LAYER_LINEARS:
+                _replace(layer, name, _quant_linear(layer.get_submodule(name), _rtn(layer.get_submodule(name), config)))
+        if runner is not None:
+            runner.hidden = runner.run(layer)  # the next layer sees this layer's quantized outputs
+    _quantize_head_and_embeddings(model, config)
+    model.quant_config = config
+    return model
+
+
+def _quantize_head_and_embeddings(model: LlamaForCausalLM, config: QuantConfig) -> None:
+    if config.lm_head_bits == 8:
+        head = model.lm_head
+        model.lm_head = _quant_linear(head, quantize(head.weight, 8, PER_CHANNEL, sym=True))
+    if config.embed_bits == 8:
+        embed = model.model.embed_tokens
+        model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True), embed.weight.dtype)
