@@ -53,7 +53,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     gen.add_argument("--max-seq-len", type=_positive_int, default=4096)
+    gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
+                     help="quantize on the fly at load time (RTN)")
+
+    quant = sub.add_parser("quantize", help="quantize a model (one config, or --auto search)")
+    quant.add_argument("--model", default=DEFAULT_MODEL)
+    quant.add_argument("--output", help="folder for the quantized checkpoint (written atomically)")
+    quant.add_argument("--quant", default="method=rtn", help="key=value,... or a JSON file (ignored with --auto)")
+    quant.add_argument("--auto", action="store_true", help="search methods x group sizes x sym/asym")
+    quant.add_argument("--max-loss", type=_fraction, default=0.01, help="max perplexity loss, e.g. 1%% or 0.01")
+    quant.add_argument("--methods", default="rtn,gptq,awq")
+    quant.add_argument("--group-sizes", default="32,128", help="comma list; -1 = per channel")
+    quant.add_argument("--sym", default="sym,asym", help="sym, asym or both")
+    quant.add_argument("--report-dir", help="where --auto writes report.md/.json/.png (default: OUTPUT/report)")
+    quant.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+
+    ev = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against the unquantized model")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="the reference (unquantized) model")
+    group = ev.add_mutually_exclusive_group()
+    group.add_argument("--quant", help="quantize the model with this config first (key=value,... or JSON file)")
+    group.add_argument("--checkpoint", help="a quantized checkpoint folder to evaluate")
+    ev.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ev.add_argument("--seq-len", type=_positive_int, default=512)
+    ev.add_argument("--json", help="also write the results as JSON here")
     return parser
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 1% or 0.01, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a loss between 0 and 100%, got {text!r}")
+    return value
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise CLIError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
 
 
 def _cmd_pull(args: argparse.Namespace) -> None:
@@ -74,7 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit)
     generator = TextGenerator(loaded, max_seq_len=args.max_seq_len)
     stream = generator.stream(args.prompt, params, chat=args.chat)
     for piece in stream:
@@ -86,6 +126,83 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(f"[{m.num_generated_tokens} tokens | TTFT {m.ttft_s * 1e3:.0f} ms | "
           f"TPOT {m.tpot_s * 1e3:.1f} ms | {m.decode_tokens_per_s:.2f} tokens/s | "
           f"prompt {m.num_prompt_tokens} tokens]", file=sys.stderr)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from fastdraft.models.loader import load_model
+    from fastdraft.quant.checkpoint import save_quantized
+    from fastdraft.quant.config import parse_quant_spec
+
+    if args.auto:
+        from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
+
+        syms = tuple({"sym": True, "asym": False}.get(s.strip()) for s in args.sym.split(","))
+        if None in syms:
+            raise CLIError(f"--sym takes sym, asym or sym,asym; got {args.sym!r}")
+        space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                                group_sizes=_int_list(args.group_sizes, "--group-sizes"), syms=syms,
+                                max_loss=args.max_loss)
+        report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
+        loaded = load_model(args.model, dtype=args.dtype)
+        result, best_model = auto_quantize(loaded, space)
+        print(write_report(result, space, report_dir))
+        print(f"report written to {report_dir}/report.md, report.json, report.png")
+        if best_model is None:
+            raise CLIError(f"no configuration met the target of {args.max_loss * 100:.2f}% perplexity loss")
+        if args.output:
+            save_quantized(best_model, args.output, loaded.model_dir)
+            print(f"saved {result.best.config.label} to {args.output}")
+        return
+    if not args.output:
+        raise CLIError("--output is required (or use --auto to only search)")
+    config = parse_quant_spec(args.quant)
+    loaded = load_model(args.model, dtype=args.dtype)
+    from fastdraft.quant.data import calibration_samples
+    from fastdraft.quant.quantizer import quantize_model
+
+    samples = calibration_samples(loaded.tokenizer, config.num_calib_samples, config.calib_seq_len, config.seed) \
+        if config.needs_calibration else None
+    quantize_model(loaded.model, config, samples)
+    save_quantized(loaded.model, args.output, loaded.model_dir)
+    print(f"saved {config.label} to {args.output}")
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from fastdraft.models.loader import load_model
+    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.quant.data import calibration_samples, evaluation_texts
+    from fastdraft.quant.evaluate import EvalWindows, evaluate, format_table, score_reference
+    from fastdraft.quant.quantizer import quantize_model
+
+    reference = load_model(args.model, dtype=args.dtype)
+    windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=args.seq_len)
+    ref_scores = score_reference(reference.model, windows)
+    results = [ref_scores.result]
+    if args.checkpoint:
+        candidate = load_model(args.checkpoint, dtype=args.dtype)
+        results.append(evaluate(candidate.model, windows, ref_scores, label=Path(args.checkpoint).name))
+    elif args.quant:
+        config = parse_quant_spec(args.quant)
+        candidate = load_model(args.model, dtype=args.dtype)
+        samples = calibration_samples(candidate.tokenizer, config.num_calib_samples, config.calib_seq_len,
+                                      config.seed) if config.needs_calibration else None
+        quantize_model(candidate.model, config, samples)
+        results.append(evaluate(candidate.model, windows, ref_scores, label=config.label))
+    print(format_table(results))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump([r.to_dict() for r in results], f, indent=2)
+        os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}\t{source.description}")
         elif args.command == "generate":
             _cmd_generate(args)
+        elif args.command == "quantize":
+            _cmd_quantize(args)
+        elif args.command == "eval":
+            _cmd_eval(args)
         return 0
     except (CLIError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"fastdraft: error: {exc}", file=sys.stderr)

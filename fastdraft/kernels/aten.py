@@ -26,6 +26,11 @@ class AtenInt4Kernel(WeightOnlyKernel):
     def is_available(cls) -> bool:
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
+    @classmethod
+    def supports(cls, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        # The op's packing tiles output rows by 16.
+        return qw.out_features % 16 == 0 and super().supports(qw, dtype, device)
+
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
         group = self.effective_group_size(qw)
         if group is None:

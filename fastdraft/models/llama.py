@@ -7,6 +7,8 @@ keys/values into a :class:`~fastdraft.engine.kv_cache.KVCache` described by
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,10 +111,26 @@ class LlamaForCausalLM(nn.Module):
         """[..., hidden_size] -> fp32 logits [..., vocab_size]."""
         return self.lm_head(hidden_states).float()
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights read per decode step: every parameter and buffer once, except the
+        embedding table, of which one row is read (unless the LM head shares it)."""
+        embed, head = self.model.embed_tokens, self.lm_head
+        embed_ptrs = {t.data_ptr() for t in itertools.chain(embed.parameters(), embed.buffers())}
+        head_ptrs = {t.data_ptr() for t in itertools.chain(head.parameters(), head.buffers())}
+        seen, total = set(), 0
+        for t in itertools.chain(self.parameters(), self.buffers()):
+            ptr = t.data_ptr()
+            if ptr in seen or (ptr in embed_ptrs and ptr not in head_ptrs):
+                continue
+            seen.add(ptr)
+            total += t.numel() * t.element_size()
+        return total
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """Activation dtype (the final norm is never quantized)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device

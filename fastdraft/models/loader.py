@@ -126,7 +126,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
     """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
 
     ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
-    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, group 128) with
+    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, groups of 32) with
     compute in ``dtype``.
     """
     from fastdraft.quant.checkpoint import quant_config_from_model_config

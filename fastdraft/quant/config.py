@@ -67,8 +67,10 @@ class QuantConfig:
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
 
     @classmethod
-    def from_low_bit(cls, name: str, group_size: int = 128) -> "QuantConfig":
-        """Config for ipex-llm style ``load_in_low_bit`` names (RTN, quantized on the fly)."""
+    def from_low_bit(cls, name: str, group_size: int = 32) -> "QuantConfig":
+        """Config for ipex-llm style ``load_in_low_bit`` names (RTN, quantized on the fly).
+
+        As in ipex-llm, ``sym_int4``/``asym_int4`` use blocks of 32 (like llama.cpp Q4_0/Q4_1)."""
         if name == "sym_int4":
             return cls(method="rtn", bits=4, group_size=group_size, sym=True)
         if name == "asym_int4":
@@ -95,3 +97,32 @@ class QuantConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def parse_quant_spec(spec: str) -> QuantConfig:
+    """A QuantConfig from a JSON file path or ``key=value,...`` (e.g. ``method=gptq,group_size=64,sym=false``)."""
+    if Path(spec).is_file():
+        return QuantConfig.from_file(spec)
+    raw: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(QuantConfig)}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise ValueError(f"bad quantization spec item {item!r}; expected key=value with key in {sorted(types)}")
+        if types[key] in (bool, "bool"):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+            raw[key] = value.lower() in ("true", "1")
+        elif types[key] in (int, "int"):
+            try:
+                raw[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{key} must be an integer, got {value!r}") from None
+        elif types[key] in (float, "float"):
+            try:
+                raw[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {value!r}") from None
+        else:
+            raw[key] = value
+    return QuantConfig.from_dict(raw)

@@ -1,0 +1,193 @@
+"""The automatic quantization flow: try configurations, keep the fastest accurate one.
+
+Every candidate is quantized from the same dense model, evaluated against it on held-out
+text (perplexity, KL, top-1 agreement) and timed on a short greedy decode. The winner is the
+candidate with the lowest decode latency whose perplexity loss is within ``max_loss``.
+A report (markdown table, JSON, and a PNG of accuracy against speed and size) is written
+whether or not any candidate meets the target.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastdraft.engine.generate import decode_one_token, prefill
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.data import calibration_samples, evaluation_texts
+from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
+from fastdraft.quant.quantizer import quantize_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AutoSearchSpace:
+    """The grid the automatic flow tries, and the accuracy target."""
+
+    methods: tuple[str, ...] = ("rtn", "gptq", "awq")
+    group_sizes: tuple[int, ...] = (32, 128)
+    syms: tuple[bool, ...] = (True, False)
+    max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
+    lm_head_bits: int = 8
+    num_calib_samples: int = 32
+    calib_seq_len: int = 512
+    num_decode_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.methods or not self.group_sizes or not self.syms:
+            raise ValueError("the search space is empty")
+        if not 0.0 < self.max_loss < 1.0:
+            raise ValueError(f"max_loss must be in (0, 1), got {self.max_loss}")
+        self.configs()  # validates every combination up front
+
+    def configs(self) -> list[QuantConfig]:
+        return [QuantConfig(method=m, bits=4, group_size=g, sym=s, lm_head_bits=self.lm_head_bits,
+                            num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
+                for m, g, s in itertools.product(self.methods, self.group_sizes, self.syms)]
+
+
+@dataclass
+class Candidate:
+    config: QuantConfig
+    eval: EvalResult
+    decode_ms: float
+    weight_bytes: int
+    is_within_target: bool = False
+
+
+@dataclass
+class AutoResult:
+    reference: EvalResult
+    reference_decode_ms: float
+    reference_weight_bytes: int
+    candidates: list[Candidate] = field(default_factory=list)
+    best: Candidate | None = None
+
+
+@torch.inference_mode()
+def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int]) -> float:
+    """Median greedy next-token latency in milliseconds."""
+    cache = KVCache.from_config(model.config, len(prompt_ids) + num_tokens + 1, dtype=model.dtype, device=model.device)
+    logits = prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
+    times = []
+    for _ in range(num_tokens):
+        start = time.perf_counter()
+        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
+
+
+def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bool = True) -> tuple[AutoResult, LlamaForCausalLM | None]:
+    """Run the search; returns the result and the winning quantized model (or None)."""
+    reference = loaded.model
+    tokenizer = loaded.tokenizer
+    windows = EvalWindows.build(tokenizer, evaluation_texts())
+    prompt_ids = tokenizer.encode("def main():\n    ")
+    ref_scores = score_reference(reference, windows, show_progress)
+    ref_eval = ref_scores.result
+    result = AutoResult(reference=ref_eval, reference_decode_ms=time_decode(reference, space.num_decode_tokens, prompt_ids),
+                        reference_weight_bytes=reference.decode_weight_bytes())
+    samples = calibration_samples(tokenizer, space.num_calib_samples, space.calib_seq_len)
+    state = load_state_dict(loaded.model_dir)
+    best_model = None
+    for config in space.configs():
+        model = build_model(loaded.config, state, reference.dtype, reference.device)
+        quantize_model(model, config, samples if config.needs_calibration else None, show_progress)
+        ev = evaluate(model, windows, ref_scores, label=config.label, show_progress=show_progress)
+        cand = Candidate(config, ev, time_decode(model, space.num_decode_tokens, prompt_ids), model.decode_weight_bytes())
+        cand.is_within_target = ev.ppl_loss <= space.max_loss
+        result.candidates.append(cand)
+        logger.info("%s: ppl loss %+.2f%%, decode %.1f ms", config.label, ev.ppl_loss * 100, cand.decode_ms)
+        if cand.is_within_target and (result.best is None or cand.decode_ms < result.best.decode_ms):
+            result.best, best_model = cand, model
+        else:
+            del model
+    return result, best_model
+
+
+def report_markdown(result: AutoResult, space: AutoSearchSpace) -> str:
+    lines = [f"Reference perplexity {result.reference.ppl:.4f} over {result.reference.num_tokens} held-out tokens; "
+             f"decode {result.reference_decode_ms:.1f} ms/token; weights {result.reference_weight_bytes / 1e6:.0f} MB. "
+             f"Target: perplexity loss <= {space.max_loss * 100:.2f}%.", "",
+             "| config | ppl | ppl loss | mean KL | top-1 agree | decode ms/tok | speedup | weights MB | meets target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(result.candidates, key=lambda c: c.decode_ms):
+        e = c.eval
+        mark = "**best**" if c is result.best else ("yes" if c.is_within_target else "no")
+        lines.append(f"| {c.config.label} | {e.ppl:.4f} | {e.ppl_loss * 100:+.2f}% | {e.mean_kl:.5f} | "
+                     f"{e.top1_agreement * 100:.2f}% | {c.decode_ms:.1f} | {result.reference_decode_ms / c.decode_ms:.2f}x | "
+                     f"{c.weight_bytes / 1e6:.0f} | {mark} |")
+    lines.append("")
+    if result.best is None:
+        lines.append(f"NO configuration met the target of {space.max_loss * 100:.2f}% perplexity loss.")
+    else:
+        lines.append(f"Chosen: {result.best.config.label} ({result.best.eval.ppl_loss * 100:+.2f}% perplexity, "
+                     f"{result.best.decode_ms:.1f} ms/token).")
+    return "\n".join(lines)
+
+
+def plot(result: AutoResult, path: Path) -> None:
+    """Accuracy (perplexity loss) against decode latency, marker area proportional to size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for c in result.candidates:
+        color = "tab:green" if c.is_within_target else "tab:red"
+        ax.scatter(c.decode_ms, c.eval.ppl_loss * 100, s=c.weight_bytes / 2e6, color=color, alpha=0.6,
+                   edgecolors="black" if c is result.best else "none", linewidths=2)
+        ax.annotate(c.config.label, (c.decode_ms, c.eval.ppl_loss * 100), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xlabel("decode latency (ms/token, lower is faster)")
+    ax.set_ylabel("perplexity loss vs reference (%)")
+    ax.set_title(f"reference: {result.reference_decode_ms:.1f} ms/token, ppl {result.reference.ppl:.3f}"
+                 " (marker area ~ weight bytes)")
+    fig.tight_layout()
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -> str:
+    """Write report.md, report.json and report.png into ``report_dir``; return the markdown."""
+    markdown = report_markdown(result, space)
+    _atomic(report_dir / "report.md", lambda tmp: Path(tmp).write_text(markdown + "\n"))
+    payload = {
+        "space": asdict(space),
+        "reference": result.reference.to_dict(),
+        "reference_decode_ms": result.reference_decode_ms,
+        "candidates": [{"config": c.config.to_dict(), "label": c.config.label, "eval": c.eval.to_dict(),
+                        "decode_ms": c.decode_ms, "weight_bytes": c.weight_bytes,
+                        "is_within_target": c.is_within_target} for c in result.candidates],
+        "best": None if result.best is None else result.best.config.label,
+    }
+    _atomic(report_dir / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
+    plot(result, report_dir / "report.png")
+    return markdown

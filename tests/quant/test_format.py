@@ -1,0 +1,107 @@
+"""The canonical INT4/INT8 formats: round-trip error bounds, packing layout, validation."""
+
+import pytest
+import torch
+
+from fastdraft.quant.config import QuantConfig, parse_quant_spec
+from fastdraft.quant.format import (
+    PER_CHANNEL,
+    SUPPORTED_GROUP_SIZES,
+    dequantize,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+
+GROUPS = [*SUPPORTED_GROUP_SIZES, PER_CHANNEL]
+
+
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_round_trip_error_is_within_half_a_step(group_size, sym):
+    torch.manual_seed(0)
+    w = torch.randn(48, 2048) * torch.rand(48, 1) * 3  # rows of different magnitude
+    qw = quantize(w, bits=4, group_size=group_size, sym=sym)
+    g = 2048 if group_size == PER_CHANNEL else group_size
+    err = (dequantize(qw) - w).abs().view(48, 2048 // g, g)
+    step = qw.scales.float().abs().unsqueeze(-1)  # [N, groups, 1]
+    # RTN error is at most half a step, except at the range's edges: values clipped at +7
+    # (symmetric) or shifted by the rounded zero point (asymmetric) are off by at most one step.
+    assert torch.all(err <= step * (1 + 1e-3) + 1e-6)
+    assert (err <= 0.5 * step * (1 + 1e-3) + 1e-6).float().mean() > 0.99
+    # ...and it is a real quantizer: typical error is a fraction of a step, not zero.
+    assert 0.15 < (err / step).mean() < 0.4
+
+
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_int8_round_trip(group_size):
+    torch.manual_seed(1)
+    w = torch.randn(16, 1024)
+    qw = quantize(w, bits=8, group_size=group_size, sym=True)
+    assert qw.qweight.dtype == torch.int8
+    rel = (dequantize(qw) - w).abs().max() / w.abs().max()
+    assert rel < 1 / 127
+
+
+def test_smaller_groups_are_more_accurate():
+    torch.manual_seed(2)
+    w = torch.randn(64, 1024)
+    errors = [(dequantize(quantize(w, 4, g, sym=False)) - w).pow(2).mean().item() for g in (32, 128, 1024)]
+    assert errors[0] < errors[1] < errors[2]
+
+
+def test_nibble_packing_layout():
+    q = torch.tensor([[1, 2, 15, 0, 7, 8]], dtype=torch.uint8)
+    packed = pack_int4(q)
+    # even k -> low nibble, odd k -> high nibble
+    assert packed.tolist() == [[0x21, 0x0F, 0x87]]
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_shapes_and_dtypes():
+    w = torch.randn(8, 256)
+    qw = quantize(w, 4, 64, sym=False)
+    assert qw.qweight.shape == (8, 128) and qw.qweight.dtype == torch.uint8
+    assert qw.scales.shape == (8, 4) and qw.scales.dtype == torch.float16
+    assert qw.zeros.shape == (8, 4) and qw.zeros.dtype == torch.uint8
+    assert quantize(w, 4, 64, sym=True).zeros is None
+
+
+def test_symmetric_uses_the_full_signed_range():
+    w = torch.tensor([[-4.0, 1.0, 2.0, 3.5] * 8])
+    qw = quantize(w, 4, 32, sym=True)
+    q = unpack_int4(qw.qweight)
+    assert q.min().item() == 0  # the largest magnitude maps to -8 exactly
+    assert dequantize(qw)[0, 0].item() == pytest.approx(-4.0, rel=1e-3)
+
+
+def test_zero_weights_do_not_divide_by_zero():
+    qw = quantize(torch.zeros(4, 64), 4, 32, sym=False)
+    assert torch.all(dequantize(qw) == 0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"method": "bogus"}, "unknown quantization method"),
+    ({"group_size": 100}, "group_size"),
+    ({"bits": 3}, "bits"),
+    ({"bits": 8, "sym": False}, "symmetric"),
+    ({"method": "rtn", "act_order": True}, "act_order"),
+    ({"lm_head_bits": 4}, "lm_head_bits"),
+])
+def test_bad_configs_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**kwargs)
+
+
+def test_group_size_must_divide_in_features():
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize(torch.randn(4, 96), 4, 64)
+
+
+def test_parse_quant_spec():
+    config = parse_quant_spec("method=gptq,group_size=64,sym=false,act_order=true")
+    assert (config.method, config.group_size, config.sym, config.act_order) == ("gptq", 64, False, True)
+    with pytest.raises(ValueError):
+        parse_quant_spec("group_size=abc")
+    with pytest.raises(ValueError):
+        parse_quant_spec("unknown_key=1")
