@@ -182,7 +182,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     from fastdraft.quant.quantizer import quantize_model
 
     reference = load_model(args.model, dtype=args.dtype)
-    windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=args.seq_len)
+    seq_len = min(args.seq_len, reference.config.max_position_embeddings)
+    windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
     ref_scores = score_reference(reference.model, windows)
     results = [ref_scores.result]
     if args.checkpoint:

@@ -45,6 +45,7 @@ class AutoSearchSpace:
     num_calib_samples: int = 32
     calib_seq_len: int = 512
     num_decode_tokens: int = 32
+    eval_seq_len: int = 512
 
     def __post_init__(self) -> None:
         if not self.methods or not self.group_sizes or not self.syms:
@@ -94,7 +95,8 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
     """Run the search; returns the result and the winning quantized model (or None)."""
     reference = loaded.model
     tokenizer = loaded.tokenizer
-    windows = EvalWindows.build(tokenizer, evaluation_texts())
+    seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
+    windows = EvalWindows.build(tokenizer, evaluation_texts(), seq_len=seq_len)
     prompt_ids = tokenizer.encode("def main():\n    ")
     ref_scores = score_reference(reference, windows, show_progress)
     ref_eval = ref_scores.result

@@ -79,16 +79,18 @@ def _full_logits(model: LlamaForCausalLM, ids: torch.Tensor, kv_cache: KVCache) 
 @dataclass
 class ReferenceScores:
     """The reference model's log-probabilities on every window, computed once and reused
-    for each candidate (stored in bf16: ~0.3 GB per 1K tokens at a 150K vocabulary)."""
+    for each candidate (fp16: ~0.3 GB per 1K tokens at a 150K vocabulary). The top-1 ids are
+    kept exactly, so rounding never flips an agreement."""
 
-    logprobs: list[torch.Tensor]  # per window: [seq_len - 1, vocab] bf16
+    logprobs: list[torch.Tensor]  # per window: [seq_len - 1, vocab] fp16
+    top1_ids: list[torch.Tensor]  # per window: [seq_len - 1]
     result: EvalResult
 
 
 @torch.inference_mode()
 def score_reference(reference: LlamaForCausalLM, windows: EvalWindows, show_progress: bool = True) -> ReferenceScores:
-    result, logprobs = _score(reference, windows, None, "reference", show_progress, keep_logprobs=True)
-    return ReferenceScores(logprobs, result)
+    result, logprobs, top1_ids = _score(reference, windows, None, "reference", show_progress, keep_logprobs=True)
+    return ReferenceScores(logprobs, top1_ids, result)
 
 
 @torch.inference_mode()
@@ -99,12 +101,13 @@ def evaluate(model: LlamaForCausalLM, windows: EvalWindows, reference: Reference
 
 
 def _score(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceScores | None, label: str,
-           show_progress: bool, keep_logprobs: bool) -> tuple[EvalResult, list[torch.Tensor]]:
+           show_progress: bool, keep_logprobs: bool) -> tuple[EvalResult, list[torch.Tensor], list[torch.Tensor]]:
     max_len = max(ids.shape[1] for _, ids in windows.windows)
     cache = KVCache.from_config(model.config, max_len, dtype=model.dtype, device=model.device)
     nll: dict[str, float] = {}
     count: dict[str, int] = {}
     kept: list[torch.Tensor] = []
+    kept_top1: list[torch.Tensor] = []
     total_kl, total_agree, total = 0.0, 0, 0
     for i, (name, ids) in enumerate(tqdm(windows.windows, desc=f"evaluating {label}", disable=not show_progress,
                                          leave=False)):
@@ -114,12 +117,13 @@ def _score(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceSc
         count[name] = count.get(name, 0) + targets.numel()
         total += targets.numel()
         if keep_logprobs:
-            kept.append(logprobs.to(torch.bfloat16).cpu())
+            kept.append(logprobs.to(torch.float16).cpu())
+            kept_top1.append(logprobs.argmax(-1).cpu())
         if reference is not None:
             ref_logprobs = reference.logprobs[i].to(logprobs.device).float()
             kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)  # [seq_len - 1]
             total_kl += kl.sum().item()
-            total_agree += (ref_logprobs.argmax(-1) == logprobs.argmax(-1)).sum().item()
+            total_agree += (reference.top1_ids[i].to(logprobs.device) == logprobs.argmax(-1)).sum().item()
     ppl = math.exp(sum(nll.values()) / total)
     ref = reference.result if reference is not None else None
     result = EvalResult(label=label, num_tokens=total, ppl=ppl, ref_ppl=ref.ppl if ref else ppl,
@@ -127,7 +131,7 @@ def _score(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceSc
                         top1_agreement=total_agree / total if ref else 1.0,
                         ppl_per_text={n: math.exp(nll[n] / count[n]) for n in nll},
                         ref_ppl_per_text=ref.ppl_per_text if ref else {})
-    return result, kept
+    return result, kept, kept_top1
 
 
 def format_table(results: list[EvalResult]) -> str:

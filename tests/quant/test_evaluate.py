@@ -1,0 +1,95 @@
+"""Evaluation metrics and the automatic quantization flow, on a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from fastdraft.models.loader import load_model
+from fastdraft.quant import auto
+from fastdraft.quant.auto import AutoResult, AutoSearchSpace, Candidate, auto_quantize, report_markdown, write_report
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.data import EVAL_CODE_FILES, EvalText, calibration_code_files, calibration_samples, evaluation_texts
+from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
+from fastdraft.quant.quantizer import quantize_model
+
+TEXTS = [EvalText("code", "def add(a, b):\n    return a + b\n" * 30),
+         EvalText("prose", "The quick brown fox jumps over the lazy dog. " * 30)]
+
+
+def test_held_out_text_is_never_calibration_text():
+    names = {p.name for p in calibration_code_files()}
+    assert calibration_code_files() and not names & set(EVAL_CODE_FILES)
+    names = {t.name for t in evaluation_texts()}
+    assert any(n.startswith("stdlib/") for n in names) and any(n.startswith("prose/") for n in names)
+
+
+def test_calibration_samples_are_deterministic(tiny_loaded):
+    a = calibration_samples(tiny_loaded.tokenizer, 6, 64, seed=3)
+    b = calibration_samples(tiny_loaded.tokenizer, 6, 64, seed=3)
+    assert len(a) == 6 and all(x.shape == (1, 64) for x in a)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_model_against_itself_has_zero_kl_and_full_agreement(tiny_loaded):
+    windows = EvalWindows.build(tiny_loaded.tokenizer, TEXTS, seq_len=64)
+    ref = score_reference(tiny_loaded.model, windows, show_progress=False)
+    same = evaluate(tiny_loaded.model, windows, ref, show_progress=False)
+    assert same.mean_kl == pytest.approx(0.0, abs=1e-3)
+    assert same.top1_agreement == 1.0 and same.ppl == pytest.approx(ref.result.ppl, rel=1e-4)
+    assert same.num_tokens == windows.num_tokens
+    assert set(same.ppl_per_text) == {"code", "prose"}
+
+
+def test_quantized_model_has_positive_kl_and_is_deterministic(tiny_models):
+    reference = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    windows = EvalWindows.build(reference.tokenizer, TEXTS, seq_len=64)
+    ref = score_reference(reference.model, windows, show_progress=False)
+    quantized = quantize_model(load_model(tiny_models.dir("qwen2"), dtype="fp32").model,
+                               QuantConfig(group_size=-1), show_progress=False)
+    first = evaluate(quantized, windows, ref, show_progress=False)
+    second = evaluate(quantized, windows, ref, show_progress=False)
+    assert first.mean_kl > 1e-4 and first.top1_agreement < 1.0
+    assert first.to_dict() == second.to_dict()
+
+
+def _candidate(label_group: int, loss: float, decode_ms: float, max_loss: float) -> Candidate:
+    ev = EvalResult("x", 100, 10 * (1 + loss), 10.0, 0.01, 0.9)
+    return Candidate(QuantConfig(group_size=label_group), ev, decode_ms, 1000, ev.ppl_loss <= max_loss)
+
+
+def test_report_says_clearly_when_nothing_meets_the_target():
+    space = AutoSearchSpace(max_loss=0.01)
+    result = AutoResult(EvalResult("reference", 100, 10.0, 10.0, 0.0, 1.0), 50.0, 2000,
+                        [_candidate(32, 0.05, 20.0, 0.01), _candidate(128, 0.08, 15.0, 0.01)])
+    assert "NO configuration met the target" in report_markdown(result, space)
+
+
+def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path, monkeypatch):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
+    space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32, -1), syms=(True, False), max_loss=0.5,
+                            num_calib_samples=4, calib_seq_len=32, num_decode_tokens=4)
+    result, best_model = auto_quantize(loaded, space, show_progress=False)
+    assert len(result.candidates) == 8
+    within = [c for c in result.candidates if c.eval.ppl_loss <= space.max_loss]
+    assert [c.is_within_target for c in result.candidates] == [c.eval.ppl_loss <= 0.5 for c in result.candidates]
+    if within:
+        assert result.best is min(within, key=lambda c: c.decode_ms)
+        assert best_model.quant_config == result.best.config
+    else:
+        assert result.best is None and best_model is None
+    markdown = write_report(result, space, tmp_path / "report")
+    assert "| config |" in markdown
+    payload = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(payload["candidates"]) == 8
+    assert (tmp_path / "report" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_search_space_validation():
+    with pytest.raises(ValueError):
+        AutoSearchSpace(methods=("rtn", "nope"))
+    with pytest.raises(ValueError):
+        AutoSearchSpace(max_loss=0.0)
+    with pytest.raises(ValueError):
+        AutoSearchSpace(group_sizes=())
