@@ -87,6 +87,14 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases; HF encodes that in the class, not the config.
         if raw.get("model_type") == "qwen2" and "attention_bias" not in raw:
             kwargs["attention_bias"] = True
+        # transformers >= 5 writes rope_theta and the scaling inside "rope_parameters".
+        rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, dict):
+            if "rope_theta" not in kwargs and rope_parameters.get("rope_theta") is not None:
+                kwargs["rope_theta"] = rope_parameters["rope_theta"]
+            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+            if "rope_scaling" not in kwargs and rope_type not in ("default", None):
+                kwargs["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
         if "torch_dtype" not in kwargs and isinstance(raw.get("dtype"), str):
             kwargs["torch_dtype"] = raw["dtype"]
         extra = {k: v for k, v in raw.items() if k not in known}

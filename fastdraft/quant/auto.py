@@ -40,6 +40,7 @@ class AutoSearchSpace:
     methods: tuple[str, ...] = ("rtn", "gptq", "awq")
     group_sizes: tuple[int, ...] = (32, 128)
     syms: tuple[bool, ...] = (True, False)
+    sensitive_bits: tuple[int, ...] = (4,)  # add 8 to also try Q4_K_M-style INT8 exceptions
     max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
     lm_head_bits: int = 8
     num_calib_samples: int = 32
@@ -48,7 +49,7 @@ class AutoSearchSpace:
     eval_seq_len: int = 512
 
     def __post_init__(self) -> None:
-        if not self.methods or not self.group_sizes or not self.syms:
+        if not self.methods or not self.group_sizes or not self.syms or not self.sensitive_bits:
             raise ValueError("the search space is empty")
         if not 0.0 < self.max_loss < 1.0:
             raise ValueError(f"max_loss must be in (0, 1), got {self.max_loss}")
@@ -56,8 +57,9 @@ class AutoSearchSpace:
 
     def configs(self) -> list[QuantConfig]:
         return [QuantConfig(method=m, bits=4, group_size=g, sym=s, lm_head_bits=self.lm_head_bits,
-                            num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
-                for m, g, s in itertools.product(self.methods, self.group_sizes, self.syms)]
+                            sensitive_bits=sb, num_calib_samples=self.num_calib_samples,
+                            calib_seq_len=self.calib_seq_len)
+                for m, g, s, sb in itertools.product(self.methods, self.group_sizes, self.syms, self.sensitive_bits)]
 
 
 @dataclass

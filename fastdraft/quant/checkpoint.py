@@ -42,12 +42,14 @@ def quant_config_from_model_config(extra: dict[str, Any]) -> QuantConfig | None:
 
 def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
     """Replace dense modules with empty quantized placeholders matching ``config``."""
-    for layer in model.model.layers:
+    num_layers = len(model.model.layers)
+    for idx, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             linear: nn.Linear = layer.get_submodule(name)
-            group = resolve_group_size(config.group_size, linear.in_features)
-            _replace(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, config.bits, group,
-                                                    config.sym, linear.bias is not None))
+            bits, group_size, sym = config.layer_format(idx, num_layers, name)
+            group = resolve_group_size(group_size, linear.in_features)
+            _replace(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, bits, group,
+                                                    sym, linear.bias is not None))
     if config.lm_head_bits == 8:
         head = model.lm_head
         model.lm_head = QuantLinear.empty(head.in_features, head.out_features, 8, head.in_features, True, False)

@@ -11,6 +11,15 @@ from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES
 
 METHODS = ("rtn", "gptq", "awq")
 
+SENSITIVE_LINEARS = ("self_attn.v_proj", "mlp.down_proj")
+
+
+def _q4_k_m_more_bits(layer_idx: int, num_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits`` rule for Q4_K_M."""
+    eighth = num_layers // 8
+    return layer_idx < eighth or layer_idx >= 7 * num_layers // 8 or (layer_idx - eighth) % 3 == 2
+
+
 # ipex-llm's ``load_in_low_bit`` names.
 LOW_BIT_NAMES = ("sym_int4", "asym_int4", "int8", "bf16", "fp32")
 
@@ -31,6 +40,9 @@ class QuantConfig:
     damp_percent: float = 0.01  # GPTQ: diagonal dampening, fraction of mean(diag(H))
     lm_head_bits: int = 8
     embed_bits: int = 16
+    # 8: keep v_proj and down_proj of the layers llama.cpp's Q4_K_M gives more bits (the first
+    # and last eighth, and every third layer between) at INT8 per channel; 4: no exception.
+    sensitive_bits: int = 4
     num_calib_samples: int = 64
     calib_seq_len: int = 512
     seed: int = 0
@@ -49,6 +61,8 @@ class QuantConfig:
             raise ValueError("act_order applies to GPTQ only")
         if not 0.0 <= self.damp_percent < 1.0:
             raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
+        if self.sensitive_bits not in (4, 8):
+            raise ValueError(f"sensitive_bits must be 4 or 8, got {self.sensitive_bits}")
         for name in ("lm_head_bits", "embed_bits"):
             if getattr(self, name) not in (8, 16):
                 raise ValueError(f"{name} must be 8 or 16, got {getattr(self, name)}")
@@ -63,8 +77,14 @@ class QuantConfig:
     def label(self) -> str:
         group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         kind = "sym" if self.sym else "asym"
-        extra = "-actorder" if self.act_order else ""
+        extra = ("-actorder" if self.act_order else "") + ("-mix8" if self.sensitive_bits == 8 else "")
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
+
+    def layer_format(self, layer_idx: int, num_layers: int, name: str) -> tuple[int, int, bool]:
+        """(bits, group_size, sym) for linear ``name`` of decoder layer ``layer_idx``."""
+        if self.sensitive_bits == 8 and name in SENSITIVE_LINEARS and _q4_k_m_more_bits(layer_idx, num_layers):
+            return 8, PER_CHANNEL, True
+        return self.bits, self.group_size, self.sym
 
     @classmethod
     def from_low_bit(cls, name: str, group_size: int = 32) -> "QuantConfig":

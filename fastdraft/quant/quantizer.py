@@ -69,22 +69,36 @@ def _quant_linear(linear: nn.Linear, qw: QuantizedWeight) -> QuantLinear:
     return QuantLinear(qw, bias)
 
 
-def _rtn(linear: nn.Linear, config: QuantConfig) -> QuantizedWeight:
-    return quantize(linear.weight, config.bits, config.group_size, config.sym)
+def _rtn(weight: torch.Tensor, fmt: tuple[int, int, bool]) -> QuantizedWeight:
+    bits, group_size, sym = fmt
+    return quantize(weight, bits, group_size, sym)
 
 
-def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig) -> None:
+def _quantize_layer_rtn(layer: LlamaDecoderLayer, config: QuantConfig, num_layers: int) -> None:
+    for name in LAYER_LINEARS:
+        linear = layer.get_submodule(name)
+        fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
+        _replace(layer, name, _quant_linear(linear, _rtn(linear.weight, fmt)))
+
+
+def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
+                         num_layers: int) -> None:
     accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in LAYER_LINEARS}
     with _capture_inputs(layer, LAYER_LINEARS, lambda name, x: accumulators[name].add(x)):
         runner.run(layer)
     for name in LAYER_LINEARS:
         linear = layer.get_submodule(name)
-        qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
-                           config.act_order, config.damp_percent)
+        fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
+        if fmt[0] == 8:  # INT8 per channel is close to lossless: plain rounding
+            qw = _rtn(linear.weight, fmt)
+        else:
+            qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
+                               config.act_order, config.damp_percent)
         _replace(layer, name, _quant_linear(linear, qw))
 
 
-def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig) -> None:
+def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
+                        num_layers: int) -> None:
     inputs: dict[str, list[torch.Tensor]] = {}
     wanted = (ATTN_INPUT[0], "self_attn.o_proj", MLP_INPUT[0], "mlp.down_proj")
 
@@ -118,9 +132,10 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
     for name in LAYER_LINEARS:
         linear = layer.get_submodule(name)
         weight = linear.weight
-        if name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax: no clipping
+        fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
+        if fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
             weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym)
-        _replace(layer, name, _quant_linear(linear, quantize(weight, 4, config.group_size, config.sym)))
+        _replace(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
 
 
 def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
@@ -135,12 +150,11 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
     runner = _LayerwiseRunner(model, calib_samples) if config.needs_calibration else None
     for layer in tqdm(layers, desc=f"quantizing ({config.label})", disable=not show_progress, leave=False):
         if config.method == "gptq":
-            _quantize_layer_gptq(layer, runner, config)
+            _quantize_layer_gptq(layer, runner, config, len(layers))
         elif config.method == "awq":
-            _quantize_layer_awq(layer, runner, config)
+            _quantize_layer_awq(layer, runner, config, len(layers))
         else:
-            for name in LAYER_LINEARS:
-                _replace(layer, name, _quant_linear(layer.get_submodule(name), _rtn(layer.get_submodule(name), config)))
+            _quantize_layer_rtn(layer, config, len(layers))
         if runner is not None:
             runner.hidden = runner.run(layer)  # the next layer sees this layer's quantized outputs
     _quantize_head_and_embeddings(model, config)
