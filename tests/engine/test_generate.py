@@ -1,0 +1,162 @@
+"""Token-level generation and the streaming TextGenerator on a tiny random model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastdraft.engine.generate import TextGenerator, generate_token_ids
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_loaded) -> TextGenerator:
+    return TextGenerator(tiny_loaded, max_seq_len=128)
+
+
+def _ids(loaded, params: SamplingParams, prompt: str = PROMPT) -> list[int]:
+    kv = KVCache.from_config(loaded.config, 128, dtype=torch.float32)
+    return list(generate_token_ids(loaded.model, loaded.tokenizer.encode(prompt), params, kv,
+                                   loaded.config.eos_token_ids))
+
+
+def test_greedy_matches_transformers_generate(tiny_models, tiny_loaded):
+    hf = tiny_models.hf("llama")
+    prompt_ids = tiny_loaded.tokenizer.encode(PROMPT)
+    ours = _ids(tiny_loaded, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=40,
+                          eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, len(prompt_ids):].tolist()
+    assert len(set(ours)) > 3  # not a degenerate constant stream
+
+
+def test_seeded_sampling_reproducible(tiny_loaded):
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    a, b = _ids(tiny_loaded, params), _ids(tiny_loaded, params)
+    c = _ids(tiny_loaded, dataclasses.replace(params, seed=8))
+    assert a == b and a != c
+    greedy = _ids(tiny_loaded, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert a != greedy
+
+
+def test_top_k_one_equals_greedy(tiny_loaded):
+    sampled = _ids(tiny_loaded, SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1, seed=3,
+                                               ignore_eos=True))
+    assert sampled == _ids(tiny_loaded, SamplingParams(max_new_tokens=16, ignore_eos=True))
+
+
+def test_stream_text_tokens_and_metrics(generator):
+    # Sampling from a random model over a byte-level vocabulary produces broken UTF-8 too.
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=0, ignore_eos=True)
+    stream = generator.stream(PROMPT, params)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.text
+    assert len(stream.token_ids) == 30
+    full = generator.tokenizer.decode(stream.token_ids)
+    # Everything is streamed except, at most, an incomplete UTF-8 character at the very end.
+    assert full.startswith(stream.text)
+    assert set(full[len(stream.text):]) <= {"\ufffd"}
+    m = stream.metrics
+    assert m.num_generated_tokens == 30 and m.finish_reason == "length"
+    assert m.num_prompt_tokens == len(generator.tokenizer.encode(PROMPT))
+    assert m.ttft_s > 0 and len(m.token_latencies_s) == 29 and m.tpot_s > 0
+    assert m.decode_tokens_per_s > 0 and m.prefill_tokens_per_s > 0
+    assert "finish: length" in m.summary()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stop_string_cuts_generated_text(generator, temperature):
+    params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=11, ignore_eos=True)
+    full = generator.generate(PROMPT, params)
+    text = full.text
+    assert len(text) > 20
+    # A stop string taken from the second half of the unconstrained output.
+    start = next(i for i in range(len(text) // 2, len(text) - 3)
+                 if "\ufffd" not in text[i:i + 3] and text[i:i + 3].strip())
+    stop = text[start:start + 3]
+    expected = text[:text.find(stop)]
+    stopped = generator.generate(PROMPT, dataclasses.replace(params, stop=[stop]))
+    assert stopped.text == expected
+    assert stop not in stopped.text
+    assert stopped.metrics.finish_reason == "stop"
+    assert len(stopped.token_ids) < len(full.token_ids)
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]
+    # Streaming gives the same: the pieces join to the cut text.
+    assert "".join(generator.stream(PROMPT, dataclasses.replace(params, stop=[stop]))) == expected
+
+
+def test_unmatched_stop_string_changes_nothing(generator):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    full = generator.generate(PROMPT, params)
+    absent = "\x00never\x00"
+    with_stop = generator.generate(PROMPT, dataclasses.replace(params, stop=[absent]))
+    assert with_stop.text == full.text and with_stop.metrics.finish_reason == "length"
+
+
+def test_eos_token_ends_generation(tiny_loaded):
+    full = TextGenerator(tiny_loaded, max_seq_len=128).generate(
+        PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    # Pretend the 6th generated token is the model's EOS (first occurrence).
+    eos = full.token_ids[5]
+    cut = full.token_ids.index(eos)
+    config = dataclasses.replace(tiny_loaded.config, eos_token_id=[eos])
+    gen = TextGenerator(dataclasses.replace(tiny_loaded, config=config), max_seq_len=128)
+    out = gen.generate(PROMPT, SamplingParams(max_new_tokens=30))
+    assert out.token_ids == full.token_ids[:cut + 1]  # the EOS id is included ...
+    assert out.metrics.finish_reason == "stop"
+    assert out.text == gen.tokenizer.decode(full.token_ids[:cut])  # ... but not its text
+    ignored = gen.generate(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert ignored.token_ids == full.token_ids
+
+
+def test_chat_prompt_uses_template(generator):
+    expected = generator.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                                          add_special_tokens=False)
+    assert generator.encode_prompt("hi", chat=True) == expected
+    assert generator.encode_prompt([{"role": "user", "content": "hi"}]) == expected
+    out = generator.generate("hi", SamplingParams(max_new_tokens=5, ignore_eos=True), chat=True)
+    assert out.metrics.num_prompt_tokens == len(expected)
+
+
+def test_request_too_long_raises_at_stream(generator):
+    with pytest.raises(ValueError, match="exceeds"):
+        generator.stream(PROMPT, SamplingParams(max_new_tokens=200))
+    with pytest.raises(ValueError, match="empty"):
+        generator.stream("", SamplingParams(max_new_tokens=2))
+
+
+def test_generation_can_fill_the_cache_exactly(tiny_loaded):
+    prompt = tiny_loaded.tokenizer.encode(PROMPT)
+    kv = KVCache.from_config(tiny_loaded.config, len(prompt) + 10, dtype=torch.float32)
+    out = list(generate_token_ids(tiny_loaded.model, prompt, SamplingParams(max_new_tokens=10, ignore_eos=True),
+                                  kv, []))
+    assert len(out) == 10
+
+
+def test_generator_reuses_its_cache(generator):
+    ptr = generator.kv_cache.k.data_ptr()
+    a = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    b = generator.generate("the cat", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    c = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert generator.kv_cache.k.data_ptr() == ptr
+    assert a.token_ids == c.token_ids and a.token_ids != b.token_ids
+
+
+def test_generate_token_ids_stops_at_eos(tiny_loaded):
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=4, ignore_eos=True)
+    full = _ids(tiny_loaded, params)
+    eos = full[7]
+    cut = full.index(eos)
+    kv = KVCache.from_config(tiny_loaded.config, 128, dtype=torch.float32)
+    prompt = tiny_loaded.tokenizer.encode(PROMPT)
+    stopped = list(generate_token_ids(tiny_loaded.model, prompt, dataclasses.replace(params, ignore_eos=False),
+                                      kv, [eos]))
+    assert stopped == full[:cut + 1]
+    # Nothing was decoded after the EOS: the cache holds the prompt and the tokens before it.
+    assert kv.seq_lens[0] == len(prompt) + cut

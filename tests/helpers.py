@@ -1,0 +1,196 @@
+"""Builders shared by the tests: a tiny byte-level BPE tokenizer, tiny random HF models
+saved as HF folders, and tiny GGUF files written the way llama.cpp's converter writes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# The same split regex as Qwen2's tokenizer.json (and fastdraft's GGUF "qwen2" pre-tokenizer).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": "<|endoftext|>",
+    "eos_token": "<|im_end|>",
+    "add_bos_token": False,
+    "chat_template": CHAT_TEMPLATE,
+}
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Hello there, how are you today?",
+    "import numpy as np\nimport torch\n",
+    "class Model:\n    def __init__(self):\n        self.layers = []\n",
+    "the cat sat on the mat and the dog sat on the log",
+    "speculative decoding drafts tokens and verifies them in one pass",
+] * 4
+TOKENIZER_VOCAB_SIZE = 320
+
+
+def build_tiny_tokenizer() -> Any:
+    """A Qwen2-style byte-level BPE (NFC, Qwen2 split regex, byte-level) trained on a tiny corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return tok
+
+
+def tokenizer_merges(tok: Any) -> list[str]:
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def write_tokenizer_files(tok: Any, out_dir: Path) -> None:
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+
+
+# Tiny architectures: hidden 64, 4 heads (head_dim 16), vocab = the tiny tokenizer's.
+def _common(vocab_size: int) -> dict[str, Any]:
+    return dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=vocab_size, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                initializer_range=0.1, bos_token_id=0, eos_token_id=2)
+
+
+VARIANTS = ("llama", "llama_tied", "llama3_rope", "qwen2")
+
+
+def build_hf_model(variant: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 HF model; norms and biases are randomized too so mistakes in them show."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = _common(vocab_size)
+    if variant == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw, num_hidden_layers=2, tie_word_embeddings=False))
+    elif variant == "llama_tied":
+        # Plain multi-head attention (no GQA) and tied embeddings.
+        kw["num_key_value_heads"] = 4
+        model = LlamaForCausalLM(LlamaConfig(**kw, num_hidden_layers=3, tie_word_embeddings=True,
+                                             rope_theta=500000.0))
+    elif variant == "llama3_rope":
+        # theta and the original context are chosen so that all three llama3 frequency bands
+        # (kept, smoothed, stretched) occur at head_dim 16.
+        kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        model = LlamaForCausalLM(LlamaConfig(**kw, num_hidden_layers=2, rope_theta=100.0,
+                                             tie_word_embeddings=False))
+    elif variant == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw, num_hidden_layers=3, rope_theta=1e6,
+                                             tie_word_embeddings=False, use_sliding_window=False))
+    else:
+        raise ValueError(variant)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model.float().eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The Q/K row permutation llama.cpp's convert_hf_to_gguf.py applies to llama models."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str) -> None:
+    """Write ``hf_model`` (F32 tensors) and ``tok`` into a GGUF file like llama.cpp does."""
+    import gguf
+
+    cfg = hf_model.config
+    tied = bool(cfg.tie_word_embeddings)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    token_types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(tokenizer_merges(tok))
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if tied:
+                continue
+            gname = "output.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
+                array = llama_cpp_permute(array, cfg.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+                array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        w.add_tensor(gname, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,123 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeded reproducibility, parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.sampler import logits_to_probs, sample, sample_from_probs
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 300, generator=_gen(0))
+    assert torch.equal(sample(logits, SamplingParams(temperature=0.0), None), logits.argmax(-1))
+    one = torch.randn(1, 50, generator=_gen(1))
+    assert sample(one, SamplingParams(), _gen(3)).tolist() == [int(one.argmax())]
+
+
+def test_greedy_has_no_distribution():
+    with pytest.raises(ValueError):
+        logits_to_probs(torch.zeros(1, 4), SamplingParams(temperature=0.0))
+
+
+def _draws(params: SamplingParams, logits: torch.Tensor, seed: int, n: int = 30) -> list[int]:
+    g = _gen(seed)
+    return [int(sample(logits, params, g)) for _ in range(n)]
+
+
+def test_same_seed_same_tokens_different_seed_different():
+    flat = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=0)
+    a, b = _draws(params, flat, seed=123), _draws(params, flat, seed=123)
+    c = _draws(params, flat, seed=124)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 20  # a flat distribution really spreads out
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    for t in (0.5, 1.0, 2.0):
+        probs = logits_to_probs(logits, SamplingParams(temperature=t))
+        torch.testing.assert_close(probs, torch.softmax(logits / t, dim=-1))
+        assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_k_restricts_support():
+    logits = torch.randn(3, 200, generator=_gen(4))
+    params = SamplingParams(temperature=1.5, top_k=7)
+    probs = logits_to_probs(logits, params)
+    for row in range(3):
+        support = set(torch.nonzero(probs[row]).flatten().tolist())
+        assert support == set(torch.topk(logits[row], 7).indices.tolist())
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    g = _gen(5)
+    top = set(torch.topk(logits[0], 7).indices.tolist())
+    drawn = {int(sample(logits[:1], params, g)) for _ in range(300)}
+    assert drawn <= top and len(drawn) > 1
+    # top_k larger than the vocabulary (or 0) leaves the distribution alone.
+    full = logits_to_probs(logits, SamplingParams(temperature=1.5, top_k=500))
+    torch.testing.assert_close(full, torch.softmax(logits / 1.5, dim=-1))
+
+
+def test_top_p_restricts_support():
+    probs_in = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs_in.log()
+    # Mass before each token in sorted order: 0.5 -> 0, 0.3 -> 0.5, 0.15 -> 0.8, 0.05 -> 0.95.
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    torch.testing.assert_close(p, torch.tensor([[0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8]]))
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    torch.testing.assert_close(p, torch.tensor([[0.0, 0.5, 0.15, 0.3]]) / 0.95)
+    # The top token always survives, however small top_p is.
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))
+    torch.testing.assert_close(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    g = _gen(6)
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    drawn = {int(sample(logits, params, g)) for _ in range(200)}
+    assert drawn == {1, 3}
+
+
+def test_top_k_and_top_p_combine():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.999))
+    assert torch.nonzero(p[0]).flatten().tolist() == [0, 1, 2]
+
+
+def test_sample_from_probs_shapes_and_zero_mass():
+    probs = torch.tensor([[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]])  # [1, 2, 3]
+    ids = sample_from_probs(probs, _gen(0))
+    assert ids.shape == (1, 2) and ids.tolist() == [[1, 0]]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_new_tokens": 0},
+    {"max_new_tokens": -3},
+    {"max_new_tokens": 2.5},
+    {"temperature": -0.1},
+    {"temperature": float("nan")},
+    {"top_k": -1},
+    {"top_k": 1.5},
+    {"top_p": 0.0},
+    {"top_p": 1.01},
+    {"top_p": -0.5},
+    {"top_p": float("nan")},
+    {"stop": [""]},
+    {"stop": ["ok", 3]},
+])
+def test_sampling_params_validation(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_normalisation():
+    p = SamplingParams()
+    assert p.is_greedy and p.top_k == 0 and p.top_p == 1.0 and p.stop == [] and not p.ignore_eos
+    assert SamplingParams(stop="END").stop == ["END"]
+    assert not SamplingParams(temperature=0.7).is_greedy

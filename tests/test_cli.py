@@ -1,0 +1,132 @@
+"""The command line: one-line errors with exit status 2, and a real run on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdraft.cli import main
+from fastdraft.models.registry import KNOWN_MODELS
+
+
+def _fails_cleanly(capsys, argv: list[str], match: str) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert err.startswith("fastdraft: error: "), err
+    assert err.count("\n") == 1 and err.endswith("\n"), err  # exactly one line
+    assert "Traceback" not in err and "usage:" not in err
+    assert match in err, err
+    assert out == ""
+    return err
+
+
+def test_unknown_model(capsys, isolated_home):
+    _fails_cleanly(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many", "1.5"])
+def test_bad_max_tokens(capsys, value):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--max-tokens", value], "--max-tokens")
+
+
+def test_negative_temperature(capsys):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature")
+
+
+def test_missing_prompt(capsys):
+    _fails_cleanly(capsys, ["generate", "--max-tokens", "5"], "--prompt")
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "abc"])
+def test_bad_top_p(capsys, value):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--top-p", value], "top")
+
+
+def test_bad_top_k(capsys):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--top-k", "-2"], "top_k")
+
+
+def test_bad_dtype_and_empty_stop(capsys):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--dtype", "int4"], "--dtype")
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--stop", ""], "stop")
+
+
+def test_no_command_and_unknown_command(capsys):
+    _fails_cleanly(capsys, [], "command")
+    _fails_cleanly(capsys, ["serve"], "invalid choice")
+
+
+def test_pull_unknown_model(capsys, isolated_home):
+    _fails_cleanly(capsys, ["pull", "no-such-model"], "unknown model")
+
+
+def test_models_lists_known_names(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split("\t")[0] for line in out.splitlines()] == list(KNOWN_MODELS)
+
+
+def test_non_gguf_file(capsys, tmp_path, isolated_home):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"PK\x03\x04 not a gguf")
+    _fails_cleanly(capsys, ["generate", "--model", str(path), "--prompt", "hi"], "is not a GGUF file")
+
+
+def test_truncated_gguf_file(capsys, tmp_path, isolated_home):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 5)
+    _fails_cleanly(capsys, ["generate", "--model", str(path), "--prompt", "hi"], "cannot read GGUF file")
+
+
+def test_folder_without_config(capsys, tmp_path):
+    _fails_cleanly(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"], "no config.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_device_without_cuda(capsys, llama_dir):
+    _fails_cleanly(capsys, ["generate", "--model", str(llama_dir), "--prompt", "hi", "--device", "cuda"],
+                   "CUDA is not available")
+
+
+def test_request_longer_than_max_seq_len(capsys, llama_dir):
+    _fails_cleanly(capsys, ["generate", "--model", str(llama_dir), "--prompt", "hi there",
+                            "--max-tokens", "20", "--max-seq-len", "8", "--dtype", "fp32"], "exceeds")
+
+
+def test_generate_from_local_hf_folder(capsys, llama_dir, tiny_loaded):
+    from fastdraft.engine.generate import TextGenerator
+    from fastdraft.engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    code = main(["generate", "--model", str(llama_dir), "--prompt", "the cat", "--max-tokens", "12",
+                 "--dtype", "fp32", "--threads", str(threads), "--max-seq-len", "64"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    expected = TextGenerator(tiny_loaded, 64).generate("the cat", SamplingParams(max_new_tokens=12))
+    assert out == expected.text + "\n"
+    n_prompt = len(tiny_loaded.tokenizer.encode("the cat"))
+    assert err.startswith(f"[{len(expected.token_ids)} tokens | TTFT ")
+    assert "tokens/s" in err and f"prompt {n_prompt} tokens]" in err
+
+
+def test_subprocess_error_has_no_traceback(tmp_path):
+    env = dict(os.environ, FASTDRAFT_HOME=str(tmp_path))
+    repo_root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "fastdraft.cli", "generate", "--model", "no-such-model",
+                             "--prompt", "hi"], capture_output=True, text=True, env=env, cwd=repo_root,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("fastdraft: error: unknown model 'no-such-model'")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+    result = subprocess.run([sys.executable, "-m", "fastdraft.cli", "generate", "--prompt", "hi",
+                             "--max-tokens", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("fastdraft: error: ")
+    assert result.stderr.count("\n") == 1
