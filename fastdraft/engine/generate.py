@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,10 @@ from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from fastdraft.layers.sampler import sample
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from fastdraft.spec.config import SpeculativeConfig
+    from fastdraft.spec.decoding import SpecMetrics
 
 
 @torch.inference_mode()
@@ -85,11 +90,17 @@ class GenerationMetrics:
     ttft_s: float = 0.0  # request start -> first token
     token_latencies_s: list[float] = field(default_factory=list)  # gaps between later tokens
     finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+    spec: "SpecMetrics | None" = None  # acceptance figures when decoding speculatively
 
     @property
     def tpot_s(self) -> float:
-        """Median time per output token after the first."""
-        return statistics.median(self.token_latencies_s) if self.token_latencies_s else 0.0
+        """Time per output token after the first: the median gap, or with speculation (where
+        tokens arrive in bursts) the mean."""
+        if not self.token_latencies_s:
+            return 0.0
+        if self.spec is not None:
+            return sum(self.token_latencies_s) / len(self.token_latencies_s)
+        return statistics.median(self.token_latencies_s)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -101,9 +112,10 @@ class GenerationMetrics:
         return self.num_prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"prompt {self.num_prompt_tokens} tok | generated {self.num_generated_tokens} tok | "
+        text = (f"prompt {self.num_prompt_tokens} tok | generated {self.num_generated_tokens} tok | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | TPOT {self.tpot_s * 1e3:.1f} ms | "
                 f"decode {self.decode_tokens_per_s:.2f} tok/s | finish: {self.finish_reason}")
+        return text if self.spec is None else f"{text}\n{self.spec.summary()}"
 
 
 class GenerationStream:
@@ -127,14 +139,28 @@ class GenerationStream:
 
 
 class TextGenerator:
-    """Prompt in, streamed text out, for one model with its own pre-allocated KV cache."""
+    """Prompt in, streamed text out, for one model with its own pre-allocated KV cache.
 
-    def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096) -> None:
+    With ``speculative`` set, tokens come from speculative decoding (same outputs for greedy,
+    same distribution for sampling) and ``metrics.spec`` reports acceptance.
+    """
+
+    def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
+                 speculative: "SpeculativeConfig | None" = None) -> None:
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
-        self.kv_cache = KVCache.from_config(loaded.config, max_seq_len, dtype=self.model.dtype,
+        self.speculative = speculative
+        # Verification appends up to k + 1 tokens past the committed length.
+        extra = speculative.num_speculative_tokens + 1 if speculative else 0
+        self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
                                             device=self.model.device)
+        self.max_seq_len = self.kv_cache.max_seq_len - extra
+        self.proposer = None
+        if speculative is not None:
+            from fastdraft.spec.config import build_proposer
+
+            self.proposer = build_proposer(speculative, loaded, self.kv_cache)
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
@@ -152,10 +178,18 @@ class TextGenerator:
         params = params or SamplingParams()
         start = time.perf_counter()
         prompt_ids = self.encode_prompt(prompt, chat)
-        check_request(len(prompt_ids), params, self.kv_cache.max_seq_len)
+        check_request(len(prompt_ids), params, self.max_seq_len)
         stream = GenerationStream()
         stream.metrics.num_prompt_tokens = len(prompt_ids)
-        token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)
+        if self.proposer is None:
+            token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)
+        else:
+            from fastdraft.spec.decoding import SpecMetrics, speculative_generate
+
+            stream.metrics.spec = SpecMetrics()
+            token_iter = speculative_generate(self.model, self.proposer, prompt_ids, params, self.kv_cache,
+                                              self.eos_token_ids, self.speculative.num_speculative_tokens,
+                                              self.speculative.is_adaptive, stream.metrics.spec)
         stream._pieces = self._pieces(token_iter, params, start, stream)
         return stream
 

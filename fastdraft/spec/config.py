@@ -1,0 +1,97 @@
+"""Speculative decoding configuration and proposer construction."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.models.loader import LoadedModel, build_model, load_model, load_state_dict
+
+logger = logging.getLogger(__name__)
+
+SELF = "self"
+NGRAM = "ngram"
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to speculate.
+
+    ``draft`` is ``"self"`` (the target's own INT4 copy, made at load time), ``"ngram"``
+    (prompt lookup), or a model of the same tokenizer (known name, HF folder or .gguf).
+    """
+
+    draft: str = SELF
+    num_speculative_tokens: int = 4
+    is_adaptive: bool = True  # adapt k from acceptance and cost; fall back to plain decoding
+    min_confidence: float = 0.0  # stop drafting when the draft's top probability drops below this
+    draft_low_bit: str = "sym_int4"  # for "self": how the draft copy is quantized
+    draft_group_size: int = 128
+    draft_dtype: str | None = None  # a separate draft's dtype; default: the target's
+    draft_device: str | None = None  # e.g. "cpu" beside a CUDA target; default: the target's
+    is_cache_shared: bool = True  # "self" on the target's device: draft writes into the target's KV cache
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 7:
+            # k + 1 <= 8 keeps verification inside the row-padded shape decoding uses.
+            raise ValueError(f"num_speculative_tokens must be in 1..7, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
+        if self.draft_low_bit not in ("sym_int4", "asym_int4", "int8"):
+            raise ValueError(f"draft_low_bit must be sym_int4, asym_int4 or int8, got {self.draft_low_bit!r}")
+        if not self.draft:
+            raise ValueError("draft must name 'self', 'ngram' or a model")
+
+
+def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise ``ValueError`` unless both tokenizers map every shared token to the same id.
+
+    The models' embedding sizes may differ (Qwen pads its vocabulary to a multiple of 128);
+    draft probabilities are zero-padded to the target's size during verification.
+    """
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+        only_draft = len(set(draft_vocab.items()) - set(target_vocab.items()))
+        raise ValueError(
+            f"the draft's tokenizer differs from the target's ({only_target} token/id pairs only in the target, "
+            f"{only_draft} only in the draft); speculative decoding needs the same tokenizer"
+        )
+    if draft.config.vocab_size > target.config.vocab_size and \
+            max(draft_vocab.values()) >= target.config.vocab_size:
+        raise ValueError("the draft's vocabulary is larger than the target's embedding table")
+
+
+def make_self_draft(target: LoadedModel, config: SpeculativeConfig, device: torch.device) -> LoadedModel:
+    """The target's own weights, quantized on the fly: a draft with no second model to find."""
+    from fastdraft.quant.config import QuantConfig
+    from fastdraft.quant.quantizer import quantize_model
+
+    model = build_model(target.config, load_state_dict(target.model_dir), target.model.dtype, device)
+    quant = QuantConfig.from_low_bit(config.draft_low_bit, group_size=config.draft_group_size)
+    quantize_model(model, quant, show_progress=False)
+    return LoadedModel(model=model, tokenizer=target.tokenizer, config=target.config, model_dir=target.model_dir)
+
+
+def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache):
+    """The proposer ``config`` describes, ready to draft for ``target``."""
+    from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
+
+    if config.draft == NGRAM:
+        return NgramProposer(target.config.vocab_size)
+    device = torch.device(config.draft_device) if config.draft_device else target.model.device
+    if config.draft == SELF:
+        draft = make_self_draft(target, config, device)
+    else:
+        dtype = config.draft_dtype or target.model.dtype
+        draft = load_model(config.draft, dtype=dtype, device=device)
+        check_vocab_compatible(target, draft)
+    if config.draft == SELF and config.is_cache_shared and device == target.model.device:
+        return DraftModelProposer(draft.model, target_cache, shares_target_cache=True,
+                                  min_confidence=config.min_confidence)
+    cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
+    return DraftModelProposer(draft.model, cache, min_confidence=config.min_confidence)

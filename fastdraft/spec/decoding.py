@@ -1,0 +1,193 @@
+"""Speculative decoding: propose ``k`` tokens, verify them in one target pass, roll back.
+
+The loop keeps one invariant: the target's KV cache holds every committed token except
+the last, which is fed at the start of the next verification pass together with the
+draft tokens (``k + 1`` tokens, one forward). After verification the cache is truncated to
+the committed prefix, discarding rejected positions (and any draft entries written into a
+shared cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fastdraft.engine.generate import check_request, make_generator, prefill
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.sampler import logits_to_probs, sample
+from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
+
+
+@dataclass
+class SpecMetrics:
+    """Acceptance statistics of speculative decoding."""
+
+    num_steps: int = 0  # verification passes
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_plain_steps: int = 0  # steps decoded without speculation (adaptive k = 0)
+    accepted_per_position: list[int] = field(default_factory=list)  # [k_max] times position i was accepted
+    proposed_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification pass (accepted + the recovered/bonus one)."""
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        while len(self.proposed_per_position) < num_draft:
+            self.proposed_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(num_draft):
+            self.proposed_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    def summary(self) -> str:
+        per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+        return (f"acceptance {self.acceptance_rate * 100:.1f}% | mean accepted length "
+                f"{self.mean_accepted_length:.2f} tok/step | per position [{per_pos}]")
+
+
+class AdaptiveDraftLength:
+    """Chooses ``k`` each step from the recent acceptance rate and the measured draft cost.
+
+    With per-token acceptance ``a`` and draft cost ``c`` (draft step / target step), a step
+    with ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)`` tokens for ``k * c + 1`` target-step
+    costs. We pick the ``k`` in ``[0, k_max]`` with the best ratio; ``k = 0`` is plain decoding,
+    chosen whenever speculation would not pay (so a poor draft cannot make decoding much
+    slower). Plain steps still probe with ``k = 1`` now and then to notice recovery.
+    """
+
+    def __init__(self, k_max: int, is_enabled: bool = True, ema: float = 0.8, probe_every: int = 8) -> None:
+        if k_max < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k_max = k_max
+        self.is_enabled = is_enabled
+        self.ema = ema
+        self.probe_every = probe_every
+        self.acceptance = 0.7  # optimistic prior: speculate at first
+        self.draft_cost = 0.3
+        self._plain_steps = 0
+
+    def next_k(self) -> int:
+        if not self.is_enabled:
+            return self.k_max
+        a = min(self.acceptance, 0.99)
+
+        def gain(k: int) -> float:
+            return ((1 - a ** (k + 1)) / (1 - a)) / (k * self.draft_cost + 1)
+
+        best = max(range(self.k_max + 1), key=gain)
+        if best == 0:
+            self._plain_steps += 1
+            if self._plain_steps % self.probe_every == 0:
+                return 1
+        return best
+
+    def update(self, num_draft: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+        if num_draft == 0:
+            return
+        # Acceptance of the proposed positions; an early rejection says less about later ones.
+        observed = num_accepted / num_draft
+        self.acceptance = self.ema * self.acceptance + (1 - self.ema) * observed
+        if verify_s > 0:
+            cost = (draft_s / num_draft) / verify_s
+            self.draft_cost = self.ema * self.draft_cost + (1 - self.ema) * cost
+
+
+def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Zero-pad (or trim padding of) draft probabilities to the target's vocabulary size."""
+    if probs.shape[-1] == vocab_size:
+        return probs
+    if probs.shape[-1] < vocab_size:
+        return F.pad(probs, (0, vocab_size - probs.shape[-1]))
+    return probs[..., :vocab_size]
+
+
+@torch.inference_mode()
+def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[int], params: SamplingParams,
+                         kv_cache: KVCache, eos_token_ids: list[int], num_speculative_tokens: int = 4,
+                         adaptive: bool = True, metrics: SpecMetrics | None = None) -> Iterator[int]:
+    """Yield new token ids, as :func:`fastdraft.engine.generate.generate_token_ids` does,
+    using ``proposer`` to draft and ``target`` to verify."""
+    check_request(len(prompt_ids), params, kv_cache.max_seq_len - num_speculative_tokens - 1)
+    metrics = metrics if metrics is not None else SpecMetrics()
+    generator = make_generator(params.seed, target.device)
+    eos = set() if params.ignore_eos else set(eos_token_ids)
+    vocab_size = target.config.vocab_size
+    controller = AdaptiveDraftLength(num_speculative_tokens, is_enabled=adaptive)
+
+    device = target.device
+    logits = prefill(target, torch.tensor([prompt_ids], device=device), kv_cache)
+    first = int(sample(logits, params, generator))
+    tokens = list(prompt_ids) + [first]
+    proposer.start(prompt_ids)
+    num_new = 1
+    yield first
+    if first in eos or num_new >= params.max_new_tokens:
+        return
+    while True:
+        k = min(controller.next_k(), params.max_new_tokens - num_new - 1)
+        start = time.perf_counter()
+        if k > 0:
+            proposal = proposer.propose(tokens, k, params, generator)
+            draft_ids = proposal.draft_token_ids.to(device)
+        else:
+            proposal, draft_ids = None, torch.empty(0, dtype=torch.long, device=device)
+        draft_s = time.perf_counter() - start
+        num_draft = draft_ids.shape[0]
+
+        start = time.perf_counter()
+        kv_cache.truncate(len(tokens) - 1)  # drop draft entries a shared cache may hold
+        input_ids = torch.cat([torch.tensor([tokens[-1]], device=device), draft_ids]).unsqueeze(0)
+        meta = kv_cache.append(input_ids.shape[1])
+        target_logits = target.compute_logits(target(input_ids, kv_cache, meta)[0])  # [k + 1, vocab]
+        if params.is_greedy:
+            result = verify_greedy(draft_ids, target_logits)
+        else:
+            draft_probs = _match_vocab(proposal.draft_probs.to(device), vocab_size) if num_draft else \
+                torch.zeros(0, vocab_size, device=device)
+            result = verify_sampled(draft_ids, draft_probs, logits_to_probs(target_logits, params), generator)
+        verify_s = time.perf_counter() - start
+
+        new_tokens = result.output_token_ids
+        for i, token in enumerate(new_tokens):
+            if token in eos or num_new + i + 1 >= params.max_new_tokens:
+                new_tokens = new_tokens[:i + 1]
+                break
+        tokens.extend(new_tokens)
+        kv_cache.truncate(len(tokens) - 1)
+        proposer.rollback(len(tokens) - 1)
+        metrics.draft_time_s += draft_s
+        metrics.verify_time_s += verify_s
+        if num_draft:
+            metrics.record(num_draft, result.num_accepted, result.num_accepted + 1)
+        else:
+            metrics.num_plain_steps += 1
+        controller.update(num_draft, result.num_accepted, draft_s, verify_s)
+        for token in new_tokens:
+            num_new += 1
+            yield token
+        if new_tokens[-1] in eos or num_new >= params.max_new_tokens:
+            return

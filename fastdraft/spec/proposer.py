@@ -1,0 +1,116 @@
+"""Proposers: cheap ways to guess the next ``k`` tokens.
+
+* :class:`DraftModelProposer` runs a small model of the same tokenizer (a separate draft, or
+  the target's own INT4 copy for self-speculation). With ``shares_target_cache`` the draft
+  writes its speculative keys/values straight into the target's KV cache: the accepted
+  prefix there is always the target's own, exact KV, which needs no extra memory, no draft
+  prefill, and raises acceptance; verification overwrites every draft entry it scores.
+* :class:`NgramProposer` (prompt lookup) copies what followed the last occurrence of the
+  current n-gram in the context: free to run, and strong on code and edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
+from fastdraft.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class Proposal:
+    draft_token_ids: torch.Tensor  # [num_draft]
+    draft_probs: torch.Tensor | None  # [num_draft, vocab_size]; None for greedy decoding
+
+
+class DraftModelProposer:
+    """Proposes tokens by running a draft model autoregressively."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
+                 min_confidence: float = 0.0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.shares_target_cache = shares_target_cache
+        self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """A new sequence; a separate draft cache is filled lazily on the first proposal."""
+        if not self.shares_target_cache:
+            self.kv_cache.reset()
+
+    @torch.inference_mode()
+    def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        """Up to ``num_tokens`` draft tokens continuing the committed ``token_ids``."""
+        cached = self.kv_cache.seq_lens[0]
+        pending = token_ids[cached:]  # tokens the draft has not seen yet (at least the last one)
+        device = self.model.device
+        input_ids = torch.tensor([pending], device=device)
+        draft_ids: list[torch.Tensor] = []
+        draft_probs: list[torch.Tensor] = []
+        for step in range(num_tokens):
+            meta = self.kv_cache.append(input_ids.shape[1])
+            logits = self.model.compute_logits(self.model(input_ids, self.kv_cache, meta)[:, -1])  # [1, vocab]
+            if params.is_greedy:
+                probs = None
+                next_id = logits.argmax(dim=-1)  # [1]
+                confidence = torch.softmax(logits, dim=-1).max() if self.min_confidence > 0 else None
+            else:
+                probs = logits_to_probs(logits, params)  # [1, vocab]
+                next_id = sample_from_probs(probs, generator)
+                confidence = probs.max() if self.min_confidence > 0 else None
+            draft_ids.append(next_id)
+            if probs is not None:
+                draft_probs.append(probs[0])
+            if confidence is not None and float(confidence) < self.min_confidence:
+                break
+            if step < num_tokens - 1:
+                input_ids = next_id.view(1, 1)
+        return Proposal(torch.cat(draft_ids), torch.stack(draft_probs) if draft_probs else None)
+
+    def rollback(self, num_valid: int) -> None:
+        """Keep only cache entries of the first ``num_valid`` committed tokens."""
+        if not self.shares_target_cache:
+            self.kv_cache.truncate(min(self.kv_cache.seq_lens[0], num_valid))
+
+
+class NgramProposer:
+    """Prompt lookup decoding: match the last ``n`` tokens earlier in the context."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.vocab_size = vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def start(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        found: list[int] = []
+        for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
+            tail = token_ids[-n:]
+            # Latest earlier occurrence first: recent context predicts best.
+            for start in range(len(token_ids) - n - 1, -1, -1):
+                if token_ids[start:start + n] == tail:
+                    found = token_ids[start + n:start + n + num_tokens]
+                    break
+            if found:
+                break
+        ids = torch.tensor(found, dtype=torch.long)
+        probs = None
+        if not params.is_greedy and found:
+            # A deterministic proposal is a point mass; rejection sampling stays exact with it.
+            probs = torch.zeros(len(found), self.vocab_size)
+            probs[torch.arange(len(found)), ids] = 1.0
+        elif not params.is_greedy:
+            probs = torch.zeros(0, self.vocab_size)
+        return Proposal(ids, probs)
+
+    def rollback(self, num_valid: int) -> None:
+        pass

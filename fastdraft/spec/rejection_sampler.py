@@ -1,0 +1,75 @@
+"""Verification of draft tokens: greedy matching and exact rejection sampling.
+
+Vocabulary (as in vLLM): of the ``k`` draft tokens, a prefix is *accepted*; at the first
+rejection the target supplies a *recovered* token, drawn from the residual distribution
+``norm(max(0, target - draft))``; if all ``k`` are accepted, the target's distribution after
+the last one supplies a *bonus* token. Either way one step yields ``num_accepted + 1`` tokens.
+
+With rejection sampling (Leviathan et al., 2023; Chen et al., 2023) every emitted token is
+distributed exactly as the target's sampling distribution, whatever the draft proposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerificationResult:
+    """Outcome of verifying one proposal."""
+
+    output_token_ids: list[int]  # accepted draft tokens, then one recovered or bonus token
+    num_accepted: int
+    num_draft: int
+
+    @property
+    def is_bonus(self) -> bool:
+        """True when every draft token was accepted, so the last token is the bonus token."""
+        return self.num_accepted == self.num_draft
+
+
+def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> VerificationResult:
+    """Accept draft tokens while they equal the target's argmax.
+
+    draft_token_ids: [k]; target_logits: [k + 1, vocab_size] (row i scores the token after
+    the i-th input of the verification pass).
+    """
+    num_draft = draft_token_ids.shape[0]
+    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
+    matches = (draft_token_ids == target_ids[:num_draft]).int()
+    num_accepted = int(matches.cumprod(dim=0).sum()) if num_draft else 0
+    output = draft_token_ids[:num_accepted].tolist() + [int(target_ids[num_accepted])]
+    return VerificationResult(output, num_accepted, num_draft)
+
+
+def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> VerificationResult:
+    """Rejection-sample ``k`` draft tokens against the target.
+
+    draft_token_ids: [k]; draft_probs: [k, vocab_size], the distributions the draft tokens
+    were drawn from; target_probs: [k + 1, vocab_size], the target's sampling distributions.
+    """
+    num_draft = draft_token_ids.shape[0]
+    device = target_probs.device
+    if num_draft:
+        idx = torch.arange(num_draft, device=device)
+        target_p = target_probs[idx, draft_token_ids]  # [k]
+        draft_p = draft_probs[idx, draft_token_ids]  # [k]
+        uniform = torch.rand(num_draft, generator=generator, device=device)
+        # accept iff u < target/draft, written without dividing by a zero draft probability
+        is_accepted = uniform * draft_p < target_p
+        num_accepted = int(is_accepted.int().cumprod(dim=0).sum())
+    else:
+        num_accepted = 0
+    if num_accepted < num_draft:
+        residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp(min=0)  # [vocab_size]
+        total = residual.sum()
+        # total == 0 only if the distributions are equal, where rejection has probability 0.
+        dist = residual / total if total > 0 else target_probs[num_accepted]
+    else:
+        dist = target_probs[num_draft]
+    extra = int(torch.multinomial(dist, 1, generator=generator))
+    output = draft_token_ids[:num_accepted].tolist() + [extra]
+    return VerificationResult(output, num_accepted, num_draft)
