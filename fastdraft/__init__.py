@@ -1,9 +1,19 @@
-"""fastdraft: fast LLM inference on ordinary hardware."""
+"""fastdraft: fast LLM inference on ordinary hardware.
+
+Front doors: :class:`LLM` (vLLM style), :class:`AutoModelForCausalLM` (HF style),
+:class:`TextGenerator` (streaming), and the ``fastdraft`` command line.
+"""
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.generate import GenerationMetrics, TextGenerator
+from fastdraft.engine.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.models.loader import load_model
+from fastdraft.quant.config import QuantConfig
+from fastdraft.spec.config import SpeculativeConfig
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "GenerationMetrics", "SamplingParams", "TextGenerator", "load_model", "__version__"]
+__all__ = [
+    "LLM", "AutoModelForCausalLM", "CompletionOutput", "GenerationMetrics", "ModelConfig", "QuantConfig",
+    "RequestOutput", "SamplingParams", "SpeculativeConfig", "TextGenerator", "load_model", "__version__",
+]

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     gen.add_argument("--max-seq-len", type=_positive_int, default=4096)
+    gen.add_argument("--speculative", metavar="self|ngram|MODEL", default=None,
+                     help="speculative decoding: the target's own INT4 copy, prompt lookup, or a draft model")
+    gen.add_argument("--num-speculative-tokens", type=_positive_int, default=4)
+    gen.add_argument("--draft-device", default=None, help="device of the draft (e.g. cpu beside a cuda target)")
+    gen.add_argument("--no-adaptive", action="store_true", help="always draft --num-speculative-tokens tokens")
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
                      help="quantize on the fly at load time (RTN)")
 
@@ -116,8 +121,14 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from fastdraft.spec.config import SpeculativeConfig
+
+    spec = None
+    if args.speculative:
+        spec = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                                 draft_device=args.draft_device, is_adaptive=not args.no_adaptive)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit)
-    generator = TextGenerator(loaded, max_seq_len=args.max_seq_len)
+    generator = TextGenerator(loaded, max_seq_len=args.max_seq_len, speculative=spec)
     stream = generator.stream(args.prompt, params, chat=args.chat)
     for piece in stream:
         sys.stdout.write(piece)
@@ -128,6 +139,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     print(f"[{m.num_generated_tokens} tokens | TTFT {m.ttft_s * 1e3:.0f} ms | "
           f"TPOT {m.tpot_s * 1e3:.1f} ms | {m.decode_tokens_per_s:.2f} tokens/s | "
           f"prompt {m.num_prompt_tokens} tokens]", file=sys.stderr)
+    if m.spec is not None:
+        print(f"[speculative: {m.spec.summary()}]", file=sys.stderr)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:

@@ -146,7 +146,7 @@ class TextGenerator:
     """
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
-                 speculative: "SpeculativeConfig | None" = None) -> None:
+                 speculative: "SpeculativeConfig | None" = None, draft: LoadedModel | None = None) -> None:
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
@@ -160,7 +160,7 @@ class TextGenerator:
         if speculative is not None:
             from fastdraft.spec.config import build_proposer
 
-            self.proposer = build_proposer(speculative, loaded, self.kv_cache)
+            self.proposer = build_proposer(speculative, loaded, self.kv_cache, draft)
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
@@ -172,12 +172,15 @@ class TextGenerator:
             text = prompt
         return self.tokenizer.encode(text, add_special_tokens=not (chat or isinstance(prompt, list)))
 
-    def stream(self, prompt: str | list[dict[str, str]], params: SamplingParams | None = None,
+    def stream(self, prompt: str | list[dict[str, str]] | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> GenerationStream:
-        """Start generating; iterate the result for text pieces. Validation errors raise here."""
+        """Start generating; iterate the result for text pieces. Validation errors raise here.
+
+        ``prompt`` is text, chat messages, or token ids."""
         params = params or SamplingParams()
         start = time.perf_counter()
-        prompt_ids = self.encode_prompt(prompt, chat)
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt
+        prompt_ids = list(prompt) if is_ids else self.encode_prompt(prompt, chat)
         check_request(len(prompt_ids), params, self.max_seq_len)
         stream = GenerationStream()
         stream.metrics.num_prompt_tokens = len(prompt_ids)

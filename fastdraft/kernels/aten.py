@@ -20,7 +20,7 @@ class AtenInt4Kernel(WeightOnlyKernel):
     name = "aten-int4"
     capabilities = KernelCapabilities(bits=(4,), is_asym_supported=True, group_sizes=(32, 64, 128, 256),
                                       activation_dtypes=(torch.float32, torch.bfloat16),
-                                      device_types=("cpu",), priority=10)
+                                      device_types=("cpu",), priority=10, is_row_invariant=True)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -57,7 +57,7 @@ class AtenInt8Kernel(WeightOnlyKernel):
     name = "aten-int8"
     capabilities = KernelCapabilities(bits=(8,), is_asym_supported=False, group_sizes=None,
                                       activation_dtypes=(torch.float32, torch.bfloat16, torch.float16),
-                                      device_types=("cpu", "cuda"), priority=10)
+                                      device_types=("cpu", "cuda"), priority=10, is_row_invariant=True)
 
     @classmethod
     def supports(cls, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:

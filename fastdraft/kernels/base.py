@@ -24,6 +24,9 @@ class KernelCapabilities:
     activation_dtypes: tuple[torch.dtype, ...]
     device_types: tuple[str, ...]
     priority: int  # higher wins among kernels that support a weight
+    # Each output row is bit-identical whatever the number of rows (up to 8) in the call:
+    # needed so that speculative verification reproduces one-token decoding exactly.
+    is_row_invariant: bool = False
 
 
 class WeightOnlyKernel(ABC):

@@ -36,16 +36,21 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        batch, num_tokens, _ = hidden_states.shape
+        # hidden_states may carry padding rows after the meta.num_tokens real ones (see
+        # LlamaModel.min_rows): projections see them, attention and the cache do not.
+        batch, num_rows, _ = hidden_states.shape
+        num_tokens = meta.num_tokens
         # [batch, heads, num_tokens, head_dim]
-        q = self.q_proj(hidden_states).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        k_all, v_all = kv_cache.update(self.layer_idx, k, v, meta)
+        q = self.q_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        k_all, v_all = kv_cache.update(self.layer_idx, k, v.transpose(1, 2), meta)
         out = cached_attention(q, k_all, v_all, meta, self.scale)
         out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
+        if num_rows > num_tokens:
+            out = F.pad(out, (0, 0, 0, num_rows - num_tokens))
         return self.o_proj(out)
 
 
@@ -83,21 +88,34 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                min_rows: int = 1) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
+        num_tokens = hidden_states.shape[1]
+        if num_tokens < min_rows:  # zero rows stay finite through RMSNorm and are dropped below
+            hidden_states = F.pad(hidden_states, (0, 0, 0, min_rows - num_tokens))
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, kv_cache, meta)
-        return self.norm(hidden_states)
+        return self.norm(hidden_states[:, :num_tokens])
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` projects
-    only the rows the caller needs (the last one in plain decoding, k+1 rows in verification)."""
+    only the rows the caller needs (the last one in plain decoding, k+1 rows in verification).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``min_rows``: every matmul over fewer rows runs padded to exactly this many. A GEMM's
+    result for one row depends on the shape it runs in, not on the other rows' values, so
+    with ``min_rows = 8`` a one-token decode step and a verification of up to 8 tokens give
+    bit-identical results for the same token: speculative greedy decoding then reproduces
+    plain greedy decoding exactly, in any dtype. Padding to 8 rows costs little because
+    decoding is bound by reading the weights, not by arithmetic.
+    """
+
+    def __init__(self, config: ModelConfig, min_rows: int = 8) -> None:
         super().__init__()
         self.config = config
+        self.min_rows = min_rows
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -105,11 +123,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [batch, num_tokens] -> hidden states [batch, num_tokens, hidden_size]."""
-        return self.model(input_ids, kv_cache, meta)
+        return self.model(input_ids, kv_cache, meta, self.min_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., hidden_size] -> fp32 logits [..., vocab_size]."""
-        return self.lm_head(hidden_states).float()
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        num_rows = rows.shape[0]
+        if num_rows < self.min_rows:
+            rows = F.pad(rows, (0, 0, 0, self.min_rows - num_rows))
+        logits = self.lm_head(rows)[:num_rows].float()
+        return logits.view(*hidden_states.shape[:-1], -1)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights read per decode step: every parameter and buffer once, except the

@@ -109,7 +109,10 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     if is_tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if quant_config is not None:
+        from fastdraft.quant.linear import exact_min_rows
+
         model.quant_config = quant_config
+        model.min_rows = exact_min_rows(model)
     return model.eval()
 
 

@@ -67,6 +67,18 @@ class QuantLinear(nn.Module):
                 f"group_size={self.group_size}, sym={not hasattr(self, 'qzeros')}, kernel={kernel}")
 
 
+def exact_min_rows(model: nn.Module) -> int:
+    """The ``min_rows`` a model needs for verification to reproduce decoding bit for bit:
+    1 when every linear runs on a row-invariant kernel, else 8 (pad small matmuls to 8 rows)."""
+    dtype, device = model.dtype, model.device
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            return 8
+        if isinstance(module, QuantLinear) and not module.kernel_for(dtype, device).capabilities.is_row_invariant:
+            return 8
+    return 1
+
+
 class QuantEmbedding(nn.Module):
     """INT8 per-row embedding table: only the looked-up rows are dequantized."""
 

@@ -20,7 +20,7 @@ from fastdraft.quant import awq
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, quantize
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
-from fastdraft.quant.linear import QuantEmbedding, QuantLinear
+from fastdraft.quant.linear import QuantEmbedding, QuantLinear, exact_min_rows
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,7 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
             runner.hidden = runner.run(layer)  # the next layer sees this layer's quantized outputs
     _quantize_head_and_embeddings(model, config)
     model.quant_config = config
+    model.min_rows = exact_min_rows(model)
     return model
 
 

@@ -72,26 +72,40 @@ def make_self_draft(target: LoadedModel, config: SpeculativeConfig, device: torc
     from fastdraft.quant.quantizer import quantize_model
 
     model = build_model(target.config, load_state_dict(target.model_dir), target.model.dtype, device)
-    quant = QuantConfig.from_low_bit(config.draft_low_bit, group_size=config.draft_group_size)
+    cfg = target.config
+    in_features = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
+    # The requested group size where it divides every layer, else the largest smaller one that does.
+    group = next((g for g in (config.draft_group_size, 64, 32)
+                  if g <= config.draft_group_size and all(d % g == 0 for d in in_features)), -1)
+    quant = QuantConfig.from_low_bit(config.draft_low_bit, group_size=group)
     quantize_model(model, quant, show_progress=False)
     return LoadedModel(model=model, tokenizer=target.tokenizer, config=target.config, model_dir=target.model_dir)
 
 
-def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache):
-    """The proposer ``config`` describes, ready to draft for ``target``."""
+def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache,
+                   draft: LoadedModel | None = None):
+    """The proposer ``config`` describes, ready to draft for ``target``. An already loaded
+    ``draft`` model (HF's ``assistant_model``) is used as is instead of loading ``config.draft``."""
     from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
 
     if config.draft == NGRAM:
         return NgramProposer(target.config.vocab_size)
     device = torch.device(config.draft_device) if config.draft_device else target.model.device
-    if config.draft == SELF:
+    if draft is not None:
+        check_vocab_compatible(target, draft)
+        device = draft.model.device
+    elif config.draft == SELF:
         draft = make_self_draft(target, config, device)
     else:
         dtype = config.draft_dtype or target.model.dtype
         draft = load_model(config.draft, dtype=dtype, device=device)
         check_vocab_compatible(target, draft)
     if config.draft == SELF and config.is_cache_shared and device == target.model.device:
-        return DraftModelProposer(draft.model, target_cache, shares_target_cache=True,
-                                  min_confidence=config.min_confidence)
-    cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
-    return DraftModelProposer(draft.model, cache, min_confidence=config.min_confidence)
+        proposer = DraftModelProposer(draft.model, target_cache, shares_target_cache=True,
+                                      min_confidence=config.min_confidence)
+    else:
+        cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
+        proposer = DraftModelProposer(draft.model, cache, min_confidence=config.min_confidence)
+    # Decoding reads every weight once per step: the byte ratio is the draft's relative cost.
+    proposer.cost_ratio = draft.model.decode_weight_bytes() / target.model.decode_weight_bytes()
+    return proposer

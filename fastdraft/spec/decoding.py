@@ -77,9 +77,14 @@ class AdaptiveDraftLength:
     costs. We pick the ``k`` in ``[0, k_max]`` with the best ratio; ``k = 0`` is plain decoding,
     chosen whenever speculation would not pay (so a poor draft cannot make decoding much
     slower). Plain steps still probe with ``k = 1`` now and then to notice recovery.
+
+    The cost ``c`` is the draft's share of weight bytes read per step (decoding is bound by
+    memory bandwidth), not a wall-clock reading, so seeded runs choose the same ``k``s and
+    stay reproducible.
     """
 
-    def __init__(self, k_max: int, is_enabled: bool = True, ema: float = 0.8, probe_every: int = 8) -> None:
+    def __init__(self, k_max: int, draft_cost: float = 0.3, is_enabled: bool = True, ema: float = 0.8,
+                 probe_every: int = 8) -> None:
         if k_max < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k_max = k_max
@@ -87,7 +92,7 @@ class AdaptiveDraftLength:
         self.ema = ema
         self.probe_every = probe_every
         self.acceptance = 0.7  # optimistic prior: speculate at first
-        self.draft_cost = 0.3
+        self.draft_cost = draft_cost
         self._plain_steps = 0
 
     def next_k(self) -> int:
@@ -105,15 +110,11 @@ class AdaptiveDraftLength:
                 return 1
         return best
 
-    def update(self, num_draft: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
-        # Acceptance of the proposed positions; an early rejection says less about later ones.
         observed = num_accepted / num_draft
         self.acceptance = self.ema * self.acceptance + (1 - self.ema) * observed
-        if verify_s > 0:
-            cost = (draft_s / num_draft) / verify_s
-            self.draft_cost = self.ema * self.draft_cost + (1 - self.ema) * cost
 
 
 def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -136,7 +137,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     generator = make_generator(params.seed, target.device)
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
-    controller = AdaptiveDraftLength(num_speculative_tokens, is_enabled=adaptive)
+    controller = AdaptiveDraftLength(num_speculative_tokens, getattr(proposer, "cost_ratio", 0.3), adaptive)
 
     device = target.device
     logits = prefill(target, torch.tensor([prompt_ids], device=device), kv_cache)
@@ -185,7 +186,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
             metrics.record(num_draft, result.num_accepted, result.num_accepted + 1)
         else:
             metrics.num_plain_steps += 1
-        controller.update(num_draft, result.num_accepted, draft_s, verify_s)
+        controller.update(num_draft, result.num_accepted)
         for token in new_tokens:
             num_new += 1
             yield token

@@ -1,0 +1,128 @@
+"""Two familiar front doors over :class:`TextGenerator`.
+
+* vLLM style: ``LLM(model=..., speculative_model=... | "self", num_speculative_tokens=...)``
+  and ``llm.generate(prompts, SamplingParams(...))`` returning ``RequestOutput`` objects.
+* HF style: ``AutoModelForCausalLM.from_pretrained(path, load_in_low_bit=..., speculative=True)``
+  and ``model.generate(input_ids, max_new_tokens=..., do_sample=...)`` returning token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdraft.engine.generate import GenerationMetrics, TextGenerator
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.models.loader import LoadedModel, load_model
+from fastdraft.spec.config import SpeculativeConfig
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: GenerationMetrics = field(repr=False, default_factory=GenerationMetrics)
+
+
+class LLM:
+    """vLLM-style offline inference (one request at a time for now)."""
+
+    def __init__(self, model: str, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
+                 speculative_model: str | None = None, num_speculative_tokens: int = 4,
+                 draft_device: str | None = None, max_model_len: int = 4096) -> None:
+        loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
+        spec = None
+        if speculative_model is not None:
+            spec = SpeculativeConfig(draft=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                                     draft_device=draft_device)
+        self.generator = TextGenerator(loaded, max_seq_len=max_model_len, speculative=spec)
+        self.tokenizer = loaded.tokenizer
+
+    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        return [self._run(prompt, params, chat=False) for prompt in prompts]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        return self._run(messages, sampling_params or SamplingParams(), chat=True)
+
+    def _run(self, prompt, params: SamplingParams, chat: bool) -> RequestOutput:
+        stream = self.generator.stream(prompt, params, chat=chat).consume()
+        prompt_ids = self.generator.encode_prompt(prompt, chat)
+        completion = CompletionOutput(0, stream.text, stream.token_ids, stream.metrics.finish_reason)
+        return RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, [completion], stream.metrics)
+
+
+class CausalLM:
+    """What :meth:`AutoModelForCausalLM.from_pretrained` returns: HF-style ``generate``."""
+
+    def __init__(self, loaded: LoadedModel, speculative: SpeculativeConfig | None,
+                 assistant: LoadedModel | None, max_seq_len: int) -> None:
+        self.loaded = loaded
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self._max_seq_len = max_seq_len
+        self._speculative = speculative
+        self._generators: dict[int | None, TextGenerator] = {}
+        self._default_assistant = assistant
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def _generator(self, assistant: "CausalLM | None") -> TextGenerator:
+        draft = assistant.loaded if assistant is not None else self._default_assistant
+        key = id(draft) if draft is not None else None
+        if key not in self._generators:
+            spec = self._speculative
+            if draft is not None:
+                spec = SpeculativeConfig(draft="assistant", num_speculative_tokens=(
+                    spec.num_speculative_tokens if spec else 4))
+            self._generators[key] = TextGenerator(self.loaded, self._max_seq_len, speculative=spec, draft=draft)
+        return self._generators[key]
+
+    def generate(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 20, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 assistant_model: "CausalLM | None" = None, ignore_eos: bool = False) -> torch.Tensor:
+        """Continue each row of ``input_ids`` [batch, seq]; returns prompt + new ids, rows
+        right-padded with the first EOS id when they end at different lengths."""
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError("input_ids must be [batch, seq_len] with seq_len > 0")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
+                                top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        generator = self._generator(assistant_model)
+        rows = [row.tolist() + generator.stream(row.tolist(), params).consume().token_ids for row in ids]
+        pad = (self.config.eos_token_ids or [0])[0]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+class AutoModelForCausalLM:
+    """HF-style loader. ``speculative=True`` makes the model its own INT4 draft."""
+
+    @classmethod
+    def from_pretrained(cls, model: str, load_in_low_bit: str = "bf16", speculative: bool = False,
+                        assistant_model: CausalLM | None = None, num_speculative_tokens: int = 4,
+                        device: str = "cpu", draft_device: str | None = None, max_seq_len: int = 4096,
+                        dtype: str = "bf16") -> CausalLM:
+        if load_in_low_bit in ("bf16", "fp32"):
+            dtype = load_in_low_bit
+        loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
+        spec = SpeculativeConfig(draft="self", num_speculative_tokens=num_speculative_tokens,
+                                 draft_device=draft_device) if speculative else None
+        assistant = assistant_model.loaded if assistant_model is not None else None
+        return CausalLM(loaded, spec, assistant, max_seq_len)

@@ -1,0 +1,47 @@
+"""The vLLM-style and HF-style front doors, with and without speculation."""
+
+import pytest
+import torch
+
+import fastdraft
+from fastdraft import LLM, AutoModelForCausalLM, SamplingParams
+
+
+def test_llm_generate_plain_and_self_speculative_agree(tiny_models):
+    path = str(tiny_models.dir("qwen2"))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = LLM(model=path, dtype="fp32").generate(["def f(x):\n", "Hello"], params)
+    spec_llm = LLM(model=path, dtype="fp32", speculative_model="self", num_speculative_tokens=3)
+    spec = spec_llm.generate(["def f(x):\n", "Hello"], params)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in spec]
+    assert [o.outputs[0].text for o in plain] == [o.outputs[0].text for o in spec]
+    assert spec[0].metrics.spec.num_steps > 0
+    assert spec[0].prompt == "def f(x):\n" and spec[0].prompt_token_ids
+    chat = spec_llm.chat([{"role": "user", "content": "hi"}], params)
+    assert len(chat.outputs[0].token_ids) == 24
+
+
+def test_hf_style_generate_with_speculative_true(tiny_models):
+    path = str(tiny_models.dir("qwen2"))
+    plain = AutoModelForCausalLM.from_pretrained(path, load_in_low_bit="fp32")
+    spec = AutoModelForCausalLM.from_pretrained(path, load_in_low_bit="fp32", speculative=True)
+    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    a = plain.generate(input_ids, max_new_tokens=16, do_sample=False, ignore_eos=True)
+    b = spec.generate(input_ids, max_new_tokens=16, do_sample=False, ignore_eos=True)
+    assert a.shape == (2, 20) and torch.equal(a, b) and torch.equal(a[:, :4], input_ids)
+    # HF's assistant_model: a separately loaded draft of the same tokenizer.
+    assistant = AutoModelForCausalLM.from_pretrained(str(tiny_models.dir("llama")), load_in_low_bit="fp32")
+    c = plain.generate(input_ids, max_new_tokens=16, assistant_model=assistant, ignore_eos=True)
+    assert torch.equal(a, c)
+    sampled = spec.generate(input_ids[:1], max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
+    assert torch.equal(sampled, spec.generate(input_ids[:1], max_new_tokens=8, do_sample=True,
+                                              temperature=0.9, seed=3))
+
+
+def test_bad_input_is_a_value_error(tiny_models):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models.dir("qwen2")), load_in_low_bit="fp32")
+    with pytest.raises(ValueError):
+        model.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError):
+        LLM(model=str(tiny_models.dir("qwen2")), speculative_model="self", num_speculative_tokens=0)
+    assert fastdraft.SpeculativeConfig().draft == "self"

@@ -1,0 +1,165 @@
+"""Speculative decoding on tiny models: greedy equality, rollback, adaptivity, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fastdraft.engine.generate import TextGenerator, generate_token_ids
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.models.loader import load_model
+from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
+from fastdraft.spec.decoding import AdaptiveDraftLength, SpecMetrics, _match_vocab, speculative_generate
+from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
+
+PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    return load_model(tiny_models.dir("qwen2"), dtype="fp32")
+
+
+def _plain(loaded, prompt_ids, params):
+    cache = KVCache.from_config(loaded.config, 256, dtype=loaded.model.dtype)
+    return list(generate_token_ids(loaded.model, prompt_ids, params, cache, loaded.config.eos_token_ids))
+
+
+def _spec(loaded, proposer_factory, prompt_ids, params, k=4, adaptive=False):
+    cache = KVCache.from_config(loaded.config, 256 + k + 1, dtype=loaded.model.dtype)
+    proposer = proposer_factory(cache)
+    metrics = SpecMetrics()
+    out = list(speculative_generate(loaded.model, proposer, prompt_ids, params, cache,
+                                    loaded.config.eos_token_ids, k, adaptive, metrics))
+    return out, metrics, cache
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "same_model", "random_model", "ngram"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_output_equals_plain_greedy(target, tiny_models, draft_kind, adaptive):
+    if draft_kind == "random_model":
+        draft_loaded = load_model(tiny_models.dir("llama"), dtype="fp32")
+    elif draft_kind == "same_model":
+        draft_loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    else:
+        draft_loaded = None
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    config = SpeculativeConfig(draft=draft_kind if draft_kind in ("self", "ngram") else "model",
+                               num_speculative_tokens=4, is_adaptive=adaptive)
+    for text in PROMPTS:
+        prompt_ids = target.tokenizer.encode(text)
+        expected = _plain(target, prompt_ids, params)
+        got, metrics, _ = _spec(target, lambda c: build_proposer(config, target, c, draft_loaded), prompt_ids,
+                                params, k=4, adaptive=adaptive)
+        assert got == expected, f"{draft_kind}: speculative output diverged for {text!r}"
+        if draft_kind == "same_model" and not adaptive:
+            assert metrics.acceptance_rate == 1.0 and metrics.mean_accepted_length == pytest.approx(5.0, abs=0.6)
+
+
+def test_random_draft_is_mostly_rejected_and_adaptive_falls_back(target, tiny_models):
+    draft = load_model(tiny_models.dir("llama"), dtype="fp32")
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompt_ids = target.tokenizer.encode(PROMPTS[0])
+    config = SpeculativeConfig(draft="model", num_speculative_tokens=4)
+    _, fixed, _ = _spec(target, lambda c: build_proposer(config, target, c, draft), prompt_ids, params, 4, False)
+    _, adaptive, _ = _spec(target, lambda c: build_proposer(config, target, c, draft), prompt_ids, params, 4, True)
+    assert fixed.acceptance_rate < 0.5
+    # With a poor draft the controller stops speculating (plain steps) or drafts less.
+    assert adaptive.num_plain_steps > 0 or adaptive.num_draft_tokens < fixed.num_draft_tokens
+
+
+def test_adaptive_controller_chooses_plain_decoding_for_a_useless_draft():
+    controller = AdaptiveDraftLength(k_max=4, draft_cost=0.4)
+    for _ in range(30):
+        controller.update(num_draft=4, num_accepted=0)
+    ks = [controller.next_k() for _ in range(16)]
+    assert ks.count(0) >= 14 and max(ks) <= 1  # plain decoding, with rare k=1 probes
+    for _ in range(30):
+        controller.update(num_draft=4, num_accepted=4)
+    assert AdaptiveDraftLength(k_max=4, draft_cost=0.2).next_k() >= 3 and controller.next_k() == 4
+
+
+def test_kv_cache_is_rolled_back_to_the_committed_prefix(target, tiny_models):
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt_ids = target.tokenizer.encode(PROMPTS[2])
+    # A poor draft writing its guesses straight into the target's cache (as the self draft does).
+    draft = load_model(tiny_models.dir("llama"), dtype="fp32").model
+    got, metrics, cache = _spec(target, lambda c: DraftModelProposer(draft, c, shares_target_cache=True),
+                                prompt_ids, params)
+    assert metrics.num_accepted_tokens < metrics.num_draft_tokens  # some tokens were rejected
+    # The cache holds exactly the committed tokens but the last, with the target's own KV.
+    assert cache.seq_lens[0] == len(prompt_ids) + len(got) - 1
+    plain_cache = KVCache.from_config(target.config, 256, dtype=torch.float32)
+    list(generate_token_ids(target.model, prompt_ids, params, plain_cache, []))
+    n = cache.seq_lens[0]
+    assert torch.allclose(cache.k[:, 0, :, :n], plain_cache.k[:, 0, :, :n], atol=1e-5)
+    assert torch.allclose(cache.v[:, 0, :, :n], plain_cache.v[:, 0, :, :n], atol=1e-5)
+
+
+def test_separate_draft_cache_is_rolled_back(target, tiny_models):
+    draft = load_model(tiny_models.dir("llama"), dtype="fp32")
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt_ids = target.tokenizer.encode(PROMPTS[0])
+    draft_cache = KVCache.from_config(draft.config, 300, dtype=torch.float32)
+    proposer = DraftModelProposer(draft.model, draft_cache)
+    got, _, _ = _spec(target, lambda c: proposer, prompt_ids, params)
+    assert draft_cache.seq_lens[0] <= len(prompt_ids) + len(got) - 1
+
+
+def test_seeded_speculative_sampling_is_reproducible(target):
+    generator = TextGenerator(target, max_seq_len=200, speculative=SpeculativeConfig(draft="self"))
+    params = SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    first = generator.generate(PROMPTS[0], params).token_ids
+    assert generator.generate(PROMPTS[0], params).token_ids == first
+    other = generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0.8, seed=8,
+                                                          ignore_eos=True)).token_ids
+    assert other != first
+
+
+def test_stops_at_eos_and_max_new_tokens(target):
+    generator = TextGenerator(target, max_seq_len=200, speculative=SpeculativeConfig(draft="self"))
+    out = generator.generate(PROMPTS[1], SamplingParams(max_new_tokens=7, ignore_eos=True))
+    assert len(out.token_ids) == 7 and out.metrics.spec is not None
+    plain = TextGenerator(target, max_seq_len=200).generate(PROMPTS[1], SamplingParams(max_new_tokens=50))
+    spec = generator.generate(PROMPTS[1], SamplingParams(max_new_tokens=50))
+    assert spec.token_ids == plain.token_ids  # EOS handling (if reached) is the same
+
+
+def test_vocabulary_mismatch_is_a_clear_error(target, tiny_models, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny_models.dir("llama"), other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100], list(vocab)[101]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_vocab_compatible(target, load_model(other, dtype="fp32"))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        TextGenerator(target, speculative=SpeculativeConfig(draft=str(other)))
+
+
+def test_padded_draft_vocabulary_is_matched():
+    probs = torch.softmax(torch.randn(2, 10), -1)
+    padded = _match_vocab(probs, 16)
+    assert padded.shape == (2, 16) and torch.all(padded[:, 10:] == 0) and torch.equal(padded[:, :10], probs)
+    assert torch.equal(_match_vocab(padded, 10), probs)
+
+
+def test_ngram_proposer_copies_the_continuation():
+    proposer = NgramProposer(vocab_size=50)
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    proposal = proposer.propose(tokens, 3, SamplingParams(), None)
+    assert proposal.draft_token_ids.tolist() == [4, 5, 9]
+    assert proposer.propose([7, 8], 3, SamplingParams(), None).draft_token_ids.numel() == 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError):
+        SpeculativeConfig(num_speculative_tokens=9)
+    with pytest.raises(ValueError):
+        SpeculativeConfig(draft_low_bit="int3")

@@ -1,0 +1,71 @@
+"""Rejection sampling reproduces the target distribution; greedy verification matches argmax."""
+
+import pytest
+import torch
+
+from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
+
+
+def test_greedy_accepts_the_matching_prefix_then_recovers():
+    target_logits = torch.full((4, 10), -5.0)
+    for row, best in enumerate([3, 7, 1, 9]):
+        target_logits[row, best] = 5.0
+    result = verify_greedy(torch.tensor([3, 7, 2]), target_logits)
+    assert result.num_accepted == 2 and result.output_token_ids == [3, 7, 1] and not result.is_bonus
+    result = verify_greedy(torch.tensor([3, 7, 1]), target_logits)
+    assert result.num_accepted == 3 and result.output_token_ids == [3, 7, 1, 9] and result.is_bonus
+    result = verify_greedy(torch.tensor([0, 7, 1]), target_logits)
+    assert result.num_accepted == 0 and result.output_token_ids == [3]
+
+
+def _emitted_histogram(target_probs, draft_probs, num_trials, seed):
+    """Histogram of every token emitted over ``num_trials`` verification steps."""
+    gen = torch.Generator().manual_seed(seed)
+    k, vocab = draft_probs.shape
+    counts = torch.zeros(vocab)
+    for _ in range(num_trials):
+        draft_ids = torch.stack([torch.multinomial(draft_probs[i], 1, generator=gen)[0] for i in range(k)])
+        result = verify_sampled(draft_ids, draft_probs, target_probs, gen)
+        for token in result.output_token_ids:
+            counts[token] += 1
+    return counts / counts.sum()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampling_follows_the_target_distribution(k):
+    """As in vLLM's test: with the same target distribution at every position, every emitted
+    token (accepted, recovered or bonus) is a draw from it, and the distance between the
+    empirical and the target distribution shrinks as samples grow."""
+    vocab = 8
+    gen = torch.Generator().manual_seed(0)
+    target = torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=0)
+    draft = torch.softmax(torch.randn(k, vocab, generator=gen) * 2, dim=-1)  # a deliberately different draft
+    target_probs = target.expand(k + 1, vocab)
+    distances = []
+    for num_trials in (100, 1000, 10000):
+        empirical = _emitted_histogram(target_probs, draft, num_trials, seed=num_trials)
+        distances.append(0.5 * (empirical - target).abs().sum().item())  # total variation
+    assert distances[0] > distances[1] > distances[2]
+    assert distances[2] < 0.02
+    # The draft's own distribution is far away: the test can tell them apart.
+    assert 0.5 * (draft[0] - target).abs().sum().item() > 0.1
+
+
+def test_rejection_handles_zero_draft_probability_and_point_mass_drafts():
+    target = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    point_mass = torch.tensor([[0.0, 1.0, 0.0]])  # e.g. an n-gram proposal
+    gen = torch.Generator().manual_seed(1)
+    accepted = sum(verify_sampled(torch.tensor([1]), point_mass, target, gen).num_accepted for _ in range(2000))
+    assert 0.45 < accepted / 2000 < 0.55  # accepted with probability target[0, 1] = 0.5
+    # a draft token the target gives probability 0 is always rejected, and never re-emitted
+    for _ in range(50):
+        result = verify_sampled(torch.tensor([2]), torch.tensor([[0.0, 0.0, 1.0]]), target, gen)
+        assert result.num_accepted == 0 and result.output_token_ids[0] in (0, 1)
+
+
+def test_seeded_verification_is_reproducible():
+    target = torch.softmax(torch.randn(4, 16), -1)
+    draft = torch.softmax(torch.randn(3, 16), -1)
+    ids = torch.tensor([1, 2, 3])
+    a = [verify_sampled(ids, draft, target, torch.Generator().manual_seed(5)).output_token_ids for _ in range(3)]
+    assert a[0] == a[1] == a[2]
