@@ -28,7 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     is_adaptive: bool = True  # adapt k from acceptance and cost; fall back to plain decoding
     min_confidence: float = 0.0  # stop drafting when the draft's top probability drops below this
-    draft_low_bit: str = "sym_int4"  # for "self": how the draft copy is quantized
+    draft_low_bit: str | None = "sym_int4"  # how the draft is quantized on load (None: as stored)
     draft_group_size: int = 128
     draft_dtype: str | None = None  # a separate draft's dtype; default: the target's
     draft_device: str | None = None  # e.g. "cpu" beside a CUDA target; default: the target's
@@ -40,7 +40,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in 1..7, got {self.num_speculative_tokens}")
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
-        if self.draft_low_bit not in ("sym_int4", "asym_int4", "int8"):
+        if self.draft_low_bit not in ("sym_int4", "asym_int4", "int8", None):
             raise ValueError(f"draft_low_bit must be sym_int4, asym_int4 or int8, got {self.draft_low_bit!r}")
         if not self.draft:
             raise ValueError("draft must name 'self', 'ngram' or a model")
@@ -66,20 +66,27 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise ValueError("the draft's vocabulary is larger than the target's embedding table")
 
 
-def make_self_draft(target: LoadedModel, config: SpeculativeConfig, device: torch.device) -> LoadedModel:
-    """The target's own weights, quantized on the fly: a draft with no second model to find."""
+def _quantize_draft(draft: LoadedModel, config: SpeculativeConfig) -> LoadedModel:
+    """Quantize a dense draft in place as ``config.draft_low_bit`` asks (RTN)."""
     from fastdraft.quant.config import QuantConfig
     from fastdraft.quant.quantizer import quantize_model
 
-    model = build_model(target.config, load_state_dict(target.model_dir), target.model.dtype, device)
-    cfg = target.config
+    if config.draft_low_bit is None or getattr(draft.model, "quant_config", None) is not None:
+        return draft
+    cfg = draft.config
     in_features = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim)
     # The requested group size where it divides every layer, else the largest smaller one that does.
     group = next((g for g in (config.draft_group_size, 64, 32)
                   if g <= config.draft_group_size and all(d % g == 0 for d in in_features)), -1)
-    quant = QuantConfig.from_low_bit(config.draft_low_bit, group_size=group)
-    quantize_model(model, quant, show_progress=False)
-    return LoadedModel(model=model, tokenizer=target.tokenizer, config=target.config, model_dir=target.model_dir)
+    quantize_model(draft.model, QuantConfig.from_low_bit(config.draft_low_bit, group_size=group), show_progress=False)
+    return draft
+
+
+def make_self_draft(target: LoadedModel, config: SpeculativeConfig, device: torch.device) -> LoadedModel:
+    """The target's own weights, quantized on the fly: a draft with no second model to find."""
+    model = build_model(target.config, load_state_dict(target.model_dir), target.model.dtype, device)
+    draft = LoadedModel(model=model, tokenizer=target.tokenizer, config=target.config, model_dir=target.model_dir)
+    return _quantize_draft(draft, config)
 
 
 def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache,
@@ -100,6 +107,7 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
         dtype = config.draft_dtype or target.model.dtype
         draft = load_model(config.draft, dtype=dtype, device=device)
         check_vocab_compatible(target, draft)
+        draft = _quantize_draft(draft, config)
     if config.draft == SELF and config.is_cache_shared and device == target.model.device:
         proposer = DraftModelProposer(draft.model, target_cache, shares_target_cache=True,
                                       min_confidence=config.min_confidence)

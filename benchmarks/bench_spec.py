@@ -1,0 +1,129 @@
+"""Speculative vs plain decoding, measured in the same run.
+
+Batch 1, the first ``--prompt-tokens`` tokens of CPython's ``os.py``, ``--new-tokens`` new
+tokens (EOS ignored), greedy and temperature 0.7. Scenarios:
+
+* ``self``: the target in bf16, drafted by its own INT4 copy (``speculative=True``).
+* ``draft``: INT4 target drafted by a smaller INT4 model of the same tokenizer.
+
+For each: plain and speculative time per output token (median of ``--repeats`` runs), the
+speedup, whether greedy outputs are identical, and acceptance figures.
+
+    python benchmarks/bench_spec.py --scenario self --target qwen2.5-coder-1.5b-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.models.loader import load_model
+from fastdraft.spec.config import SpeculativeConfig
+
+
+def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    ids = tokenizer.encode(Path(os.__file__).read_text(encoding="utf-8"), add_special_tokens=False)[:num_tokens]
+    if len(ids) < num_tokens:
+        raise SystemExit(f"os.py has only {len(ids)} tokens")
+    return ids
+
+
+def run(generator: TextGenerator, ids: list[int], params: SamplingParams, repeats: int) -> dict:
+    generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = generator.generate(ids, params)
+        total = time.perf_counter() - start
+        m = out.metrics
+        decode_s = total - m.ttft_s
+        runs.append({"tokens": out.token_ids, "ttft_s": m.ttft_s,
+                     "ms_per_token": decode_s / max(len(out.token_ids) - 1, 1) * 1e3, "spec": m.spec})
+    best = {"ms_per_token": statistics.median(r["ms_per_token"] for r in runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs), "tokens": runs[0]["tokens"]}
+    spec = runs[0]["spec"]
+    if spec is not None:
+        best.update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
+                    per_position=spec.per_position_acceptance, num_plain_steps=spec.num_plain_steps)
+    return best
+
+
+def scenario(name: str, target_name: str, target_low_bit: str | None, spec: SpeculativeConfig,
+             args: argparse.Namespace) -> list[dict]:
+    target = load_model(target_name, dtype="bf16", load_in_low_bit=target_low_bit)
+    ids = prompt_ids(target.tokenizer, args.prompt_tokens)
+    max_len = args.prompt_tokens + args.new_tokens + 16
+    plain = TextGenerator(target, max_seq_len=max_len)
+    spec_gen = TextGenerator(target, max_seq_len=max_len, speculative=spec)
+    rows = []
+    for temperature in (0.0, 0.7):
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=0, ignore_eos=True)
+        base = run(plain, ids, params, args.repeats)
+        fast = run(spec_gen, ids, params, args.repeats)
+        row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'})", "draft": spec.draft,
+               "temperature": temperature, "plain_ms_per_token": base["ms_per_token"],
+               "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
+               "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
+               **{k: fast[k] for k in ("acceptance_rate", "mean_accepted_length", "per_position", "num_plain_steps")}}
+        rows.append(row)
+        print_row(row)
+    del plain, spec_gen, target
+    gc.collect()
+    return rows
+
+
+def print_row(r: dict) -> None:
+    same = "" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "NO")
+    per_pos = " ".join(f"{a:.2f}" for a in r["per_position"])
+    print(f"| {r['scenario']} | {r['target']} | {r['draft']} | {r['temperature']} | {r['plain_ms_per_token']:.1f} | "
+          f"{r['spec_ms_per_token']:.1f} | {r['speedup']:.2f}x | {same} | {r['acceptance_rate'] * 100:.1f}% | "
+          f"{r['mean_accepted_length']:.2f} | {per_pos} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", action="append", choices=["self", "draft"],
+                        help="repeatable; default both")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"1-minute load average before the run: {os.getloadavg()[0]:.1f} (timings need an idle machine)")
+    print("\n| scenario | target | draft | T | plain ms/tok | spec ms/tok | speedup | greedy identical | "
+          "acceptance | mean accepted len | per-position acceptance |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    k = args.num_speculative_tokens
+    for name in args.scenario or ["self", "draft"]:
+        if name == "self":
+            rows += scenario("self", args.target, None, SpeculativeConfig(draft="self", num_speculative_tokens=k), args)
+        else:
+            spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k)
+            # The draft is loaded in the target's precision; quantize it like the target.
+            rows += scenario("draft", args.target, "sym_int4", spec, args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=args.json.parent, prefix=f".{args.json.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
+    os.replace(tmp, args.json)
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
