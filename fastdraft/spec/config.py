@@ -114,6 +114,4 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
     else:
         cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
         proposer = DraftModelProposer(draft.model, cache, min_confidence=config.min_confidence)
-    # Decoding reads every weight once per step: the byte ratio is the draft's relative cost.
-    proposer.cost_ratio = draft.model.decode_weight_bytes() / target.model.decode_weight_bytes()
     return proposer

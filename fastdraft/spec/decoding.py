@@ -69,41 +69,84 @@ class SpecMetrics:
                 f"{self.mean_accepted_length:.2f} tok/step | per position [{per_pos}]")
 
 
+@dataclass
+class StepCosts:
+    """Costs relative to one plain decode step of the target: a draft step, and a target
+    verification pass over ``k + 1`` tokens (``verify[0] == 1`` is plain decoding)."""
+
+    draft: float
+    verify: list[float]
+
+
+@torch.inference_mode()
+def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_len: int = 32,
+                       repeats: int = 3) -> StepCosts:
+    """Time the passes speculation is made of, once, on scratch caches.
+
+    Decoding is bound by reading weights, but a kernel's cost still grows with the number of
+    rows it multiplies (a lot for some INT4 kernels), so the costs are measured rather than
+    derived from byte counts."""
+
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def pass_time(model: LlamaForCausalLM, num_tokens: int) -> float:
+        cache = KVCache.from_config(model.config, context_len + num_tokens, dtype=model.dtype, device=model.device)
+        ids = torch.zeros(1, context_len, dtype=torch.long, device=model.device)
+        model.compute_logits(model(ids, cache, cache.append(context_len))[:, -1])
+        step = torch.zeros(1, num_tokens, dtype=torch.long, device=model.device)
+
+        def run() -> None:
+            cache.truncate(context_len)
+            model.compute_logits(model(step, cache, cache.append(num_tokens))[0])
+
+        return median_time(run)
+
+    decode = pass_time(target, 1)
+    verify = [1.0] + [pass_time(target, k + 1) / decode for k in range(1, k_max + 1)]
+    draft_model = getattr(proposer, "model", None)
+    draft = pass_time(draft_model, 1) / decode if draft_model is not None else 0.01
+    return StepCosts(draft=draft, verify=verify)
+
+
 class AdaptiveDraftLength:
-    """Chooses ``k`` each step from the recent acceptance rate and the measured draft cost.
+    """Chooses ``k`` each step from the recent acceptance rate and the measured step costs.
 
-    With per-token acceptance ``a`` and draft cost ``c`` (draft step / target step), a step
-    with ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)`` tokens for ``k * c + 1`` target-step
-    costs. We pick the ``k`` in ``[0, k_max]`` with the best ratio; ``k = 0`` is plain decoding,
-    chosen whenever speculation would not pay (so a poor draft cannot make decoding much
-    slower). Plain steps still probe with ``k = 1`` now and then to notice recovery.
-
-    The cost ``c`` is the draft's share of weight bytes read per step (decoding is bound by
-    memory bandwidth), not a wall-clock reading, so seeded runs choose the same ``k``s and
-    stay reproducible.
+    With per-token acceptance ``a``, a step with ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)``
+    tokens for ``k * draft + verify[k]`` plain-step costs. We pick the ``k`` in ``[0, k_max]``
+    with the best ratio; ``k = 0`` is plain decoding, chosen whenever speculation would not
+    pay, so a poor draft (or a target whose multi-token passes are expensive) cannot make
+    decoding much slower. Plain steps still probe with ``k = 1`` now and then to notice
+    recovery. The costs are measured once, so seeded runs choose the same ``k``s.
     """
 
-    def __init__(self, k_max: int, draft_cost: float = 0.3, is_enabled: bool = True, ema: float = 0.8,
+    def __init__(self, k_max: int, costs: StepCosts | None = None, is_enabled: bool = True, ema: float = 0.8,
                  probe_every: int = 8) -> None:
         if k_max < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k_max = k_max
+        self.costs = costs or StepCosts(draft=0.3, verify=[1.0] * (k_max + 1))
         self.is_enabled = is_enabled
         self.ema = ema
         self.probe_every = probe_every
         self.acceptance = 0.7  # optimistic prior: speculate at first
-        self.draft_cost = draft_cost
         self._plain_steps = 0
+
+    def gain(self, k: int) -> float:
+        """Expected tokens per unit of plain-decoding time with ``k`` drafts."""
+        a = min(self.acceptance, 0.99)
+        return ((1 - a ** (k + 1)) / (1 - a)) / (k * self.costs.draft + self.costs.verify[k])
 
     def next_k(self) -> int:
         if not self.is_enabled:
             return self.k_max
-        a = min(self.acceptance, 0.99)
-
-        def gain(k: int) -> float:
-            return ((1 - a ** (k + 1)) / (1 - a)) / (k * self.draft_cost + 1)
-
-        best = max(range(self.k_max + 1), key=gain)
+        best = max(range(self.k_max + 1), key=self.gain)
         if best == 0:
             self._plain_steps += 1
             if self._plain_steps % self.probe_every == 0:
@@ -137,7 +180,9 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     generator = make_generator(params.seed, target.device)
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
-    controller = AdaptiveDraftLength(num_speculative_tokens, getattr(proposer, "cost_ratio", 0.3), adaptive)
+    if adaptive and getattr(proposer, "step_costs", None) is None:
+        proposer.step_costs = measure_step_costs(target, proposer, num_speculative_tokens)
+    controller = AdaptiveDraftLength(num_speculative_tokens, getattr(proposer, "step_costs", None), adaptive)
 
     device = target.device
     logits = prefill(target, torch.tensor([prompt_ids], device=device), kv_cache)

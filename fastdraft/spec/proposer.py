@@ -36,7 +36,7 @@ class DraftModelProposer:
         self.kv_cache = kv_cache
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
-        self.cost_ratio = 0.3  # draft step cost relative to a target step; set by build_proposer
+        self.step_costs = None  # measured on first use by speculative_generate
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new sequence; a separate draft cache is filled lazily on the first proposal."""
@@ -87,7 +87,7 @@ class NgramProposer:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.cost_ratio = 0.01  # a list search: nearly free next to a forward pass
+        self.step_costs = None
 
     def start(self, prompt_ids: list[int]) -> None:
         pass

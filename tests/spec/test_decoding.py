@@ -11,7 +11,7 @@ from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
-from fastdraft.spec.decoding import AdaptiveDraftLength, SpecMetrics, _match_vocab, speculative_generate
+from fastdraft.spec.decoding import AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, speculative_generate
 from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
@@ -71,14 +71,18 @@ def test_random_draft_is_mostly_rejected_and_adaptive_falls_back(target, tiny_mo
 
 
 def test_adaptive_controller_chooses_plain_decoding_for_a_useless_draft():
-    controller = AdaptiveDraftLength(k_max=4, draft_cost=0.4)
+    controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.4, verify=[1.0] * 5))
     for _ in range(30):
         controller.update(num_draft=4, num_accepted=0)
     ks = [controller.next_k() for _ in range(16)]
     assert ks.count(0) >= 14 and max(ks) <= 1  # plain decoding, with rare k=1 probes
     for _ in range(30):
         controller.update(num_draft=4, num_accepted=4)
-    assert AdaptiveDraftLength(k_max=4, draft_cost=0.2).next_k() >= 3 and controller.next_k() == 4
+    assert controller.next_k() == 4
+    # An expensive verification pass (e.g. a slow small-M kernel) makes speculation not pay.
+    costly = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.35, verify=[1.0, 1.8, 2.0, 2.2, 2.4]))
+    costly.acceptance = 0.6
+    assert costly.next_k() == 0
 
 
 def test_kv_cache_is_rolled_back_to_the_committed_prefix(target, tiny_models):
