@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +26,7 @@ from fastdraft.engine.generate import generate_token_ids
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.fileio import write_json
 from fastdraft.models.loader import load_model, parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, assemble_gguf, fastdraft_home
 
@@ -197,14 +196,6 @@ def print_table(name: str, results: dict, bandwidth: float, num_prompt: int) -> 
             if other != system and isinstance(results.get(other), dict):
                 ratio = results[other]["token_latency_s"] / results[system]["token_latency_s"]
                 print(f"{system} decode speedup vs {other} (median latency ratio): {ratio:.2f}x")
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:

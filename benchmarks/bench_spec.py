@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch
 
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.fileio import write_json
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig
 
@@ -117,11 +116,7 @@ def main() -> None:
             spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k)
             # The draft is loaded in the target's precision; quantize it like the target.
             rows += scenario("draft", args.target, "sym_int4", spec, args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=args.json.parent, prefix=f".{args.json.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=2)
-    os.replace(tmp, args.json)
+    write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"\nresults written to {args.json}")
 
 

@@ -186,9 +186,6 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
-    import json
-    import os
-    import tempfile
     from pathlib import Path
 
     from fastdraft.models.loader import load_model
@@ -214,12 +211,9 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         results.append(evaluate(candidate.model, windows, ref_scores, label=config.label))
     print(format_table(results))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump([r.to_dict() for r in results], f, indent=2)
-        os.replace(tmp, path)
+        from fastdraft.fileio import write_json
+
+        write_json(args.json, [r.to_dict() for r in results])
 
 
 def main(argv: list[str] | None = None) -> int:

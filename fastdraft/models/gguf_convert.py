@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fastdraft.config import ModelConfig
+from fastdraft.fileio import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -234,20 +232,12 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,
     tokenizer, tokenizer_config = build_tokenizer(reader)
     config.torch_dtype = str(dtype).removeprefix("torch.")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp_dir:
         save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
         (tmp_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         (tmp_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         generation_config = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
         (tmp_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     logger.info("converted %s -> %s", gguf_path, out_dir)
     return out_dir

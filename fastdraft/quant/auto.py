@@ -10,11 +10,8 @@ whether or not any candidate meets the target.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fastdraft.engine.generate import decode_one_token, prefill
+from fastdraft.fileio import atomic_write, write_json
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
@@ -163,26 +161,14 @@ def plot(result: AutoResult, path: Path) -> None:
     ax.set_title(f"reference: {result.reference_decode_ms:.1f} ms/token, ppl {result.reference.ppl:.3f}"
                  " (marker area ~ weight bytes)")
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-
-
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -> str:
     """Write report.md, report.json and report.png into ``report_dir``; return the markdown."""
     markdown = report_markdown(result, space)
-    _atomic(report_dir / "report.md", lambda tmp: Path(tmp).write_text(markdown + "\n"))
+    atomic_write(report_dir / "report.md", lambda tmp: Path(tmp).write_text(markdown + "\n"))
     payload = {
         "space": asdict(space),
         "reference": result.reference.to_dict(),
@@ -192,6 +178,6 @@ def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -
                         "is_within_target": c.is_within_target} for c in result.candidates],
         "best": None if result.best is None else result.best.config.label,
     }
-    _atomic(report_dir / "report.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
+    write_json(report_dir / "report.json", payload)
     plot(result, report_dir / "report.png")
     return markdown

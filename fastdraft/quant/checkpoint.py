@@ -9,15 +9,14 @@ place, so an interrupted save never leaves a checkpoint that looks complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 from torch import nn
 
+from fastdraft.fileio import atomic_dir
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.format import resolve_group_size
@@ -70,19 +69,10 @@ def save_quantized(model: LlamaForCausalLM, out_dir: str | Path, source_dir: str
     if isinstance(model.lm_head, nn.Linear) and model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # shared with the embedding
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp_dir:
         save_file(state, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
         (tmp_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
         for name in _TOKENIZER_FILES:
             if source_dir is not None and (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, tmp_dir / name)
-        os.chmod(tmp_dir, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return out_dir
