@@ -178,6 +178,11 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     check_request(len(prompt_ids), params, kv_cache.max_seq_len - num_speculative_tokens - 1)
     metrics = metrics if metrics is not None else SpecMetrics()
     generator = make_generator(params.seed, target.device)
+    # A draft on another device (a CPU draft beside a CUDA target) draws from its own stream.
+    draft_model = getattr(proposer, "model", None)
+    draft_generator = generator
+    if draft_model is not None and draft_model.device != target.device:
+        draft_generator = make_generator(None if params.seed is None else params.seed + 1, draft_model.device)
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
     if adaptive and getattr(proposer, "step_costs", None) is None:
@@ -197,7 +202,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         k = min(controller.next_k(), params.max_new_tokens - num_new - 1)
         start = time.perf_counter()
         if k > 0:
-            proposal = proposer.propose(tokens, k, params, generator)
+            proposal = proposer.propose(tokens, k, params, draft_generator)
             draft_ids = proposal.draft_token_ids.to(device)
         else:
             proposal, draft_ids = None, torch.empty(0, dtype=torch.long, device=device)
