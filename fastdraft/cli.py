@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--sym", default="sym,asym", help="sym, asym or both")
     quant.add_argument("--mixed", default="no", choices=["no", "yes", "both"],
                        help="Q4_K_M-style INT8 for sensitive v_proj/down_proj layers")
+    quant.add_argument("--candidates", default="",
+                       help="with --auto: explicit configs separated by ';' instead of the grid")
     quant.add_argument("--report-dir", help="where --auto writes report.md/.json/.png (default: OUTPUT/report)")
     quant.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
 
@@ -159,7 +161,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                                 group_sizes=_int_list(args.group_sizes, "--group-sizes"), syms=syms,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
-                                max_loss=args.max_loss)
+                                max_loss=args.max_loss,
+                                candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
         loaded = load_model(args.model, dtype=args.dtype)
         result, best_model = auto_quantize(loaded, space)

@@ -45,6 +45,8 @@ class AutoSearchSpace:
     calib_seq_len: int = 512
     num_decode_tokens: int = 32
     eval_seq_len: int = 512
+    # Explicit candidates (e.g. "method=rtn,group_size=32,sym=false"); when given they replace the grid.
+    candidates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.methods or not self.group_sizes or not self.syms or not self.sensitive_bits:
@@ -54,6 +56,10 @@ class AutoSearchSpace:
         self.configs()  # validates every combination up front
 
     def configs(self) -> list[QuantConfig]:
+        if self.candidates:
+            from fastdraft.quant.config import parse_quant_spec
+
+            return [parse_quant_spec(c) for c in self.candidates]
         return [QuantConfig(method=m, bits=4, group_size=g, sym=s, lm_head_bits=self.lm_head_bits,
                             sensitive_bits=sb, num_calib_samples=self.num_calib_samples,
                             calib_seq_len=self.calib_seq_len)

@@ -86,6 +86,13 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     assert (tmp_path / "report" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_explicit_candidates_replace_the_grid():
+    space = AutoSearchSpace(candidates=("method=rtn,group_size=32,sym=false", "method=gptq,group_size=128"))
+    assert [c.label for c in space.configs()] == ["rtn-int4-g32-asym", "gptq-int4-g128-sym"]
+    with pytest.raises(ValueError):
+        AutoSearchSpace(candidates=("method=nope",))
+
+
 def test_search_space_validation():
     with pytest.raises(ValueError):
         AutoSearchSpace(methods=("rtn", "nope"))
