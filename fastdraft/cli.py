@@ -165,7 +165,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
         loaded = load_model(args.model, dtype=args.dtype)
-        result, best_model = auto_quantize(loaded, space)
+        result, best_model = auto_quantize(loaded, space, report_dir=report_dir)
         print(write_report(result, space, report_dir))
         print(f"report written to {report_dir}/report.md, report.json, report.png")
         if best_model is None:

@@ -97,8 +97,12 @@ def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int])
     return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
 
 
-def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bool = True) -> tuple[AutoResult, LlamaForCausalLM | None]:
-    """Run the search; returns the result and the winning quantized model (or None)."""
+def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bool = True,
+                  report_dir: Path | None = None) -> tuple[AutoResult, LlamaForCausalLM | None]:
+    """Run the search; returns the result and the winning quantized model (or None).
+
+    With ``report_dir`` the report is rewritten after every candidate, so an interrupted
+    search keeps what it measured."""
     reference = loaded.model
     tokenizer = loaded.tokenizer
     seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
@@ -123,6 +127,8 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
             result.best, best_model = cand, model
         else:
             del model
+        if report_dir is not None:
+            write_report(result, space, report_dir)
     return result, best_model
 
 

@@ -233,7 +233,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         metrics.draft_time_s += draft_s
         metrics.verify_time_s += verify_s
         if num_draft:
-            metrics.record(num_draft, result.num_accepted, result.num_accepted + 1)
+            metrics.record(num_draft, result.num_accepted, len(new_tokens))
         else:
             metrics.num_plain_steps += 1
         controller.update(num_draft, result.num_accepted)

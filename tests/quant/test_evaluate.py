@@ -70,8 +70,9 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
     space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32, -1), syms=(True, False), max_loss=0.5,
                             num_calib_samples=4, calib_seq_len=32, num_decode_tokens=4)
-    result, best_model = auto_quantize(loaded, space, show_progress=False)
+    result, best_model = auto_quantize(loaded, space, show_progress=False, report_dir=tmp_path / "partial")
     assert len(result.candidates) == 8
+    assert len(json.loads((tmp_path / "partial" / "report.json").read_text())["candidates"]) == 8
     within = [c for c in result.candidates if c.eval.ppl_loss <= space.max_loss]
     assert [c.is_within_target for c in result.candidates] == [c.eval.ppl_loss <= 0.5 for c in result.candidates]
     if within:
