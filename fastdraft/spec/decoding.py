@@ -191,9 +191,9 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
 
     device = target.device
     logits = prefill(target, torch.tensor([prompt_ids], device=device), kv_cache)
+    proposer.start(prompt_ids)
     first = int(sample(logits, params, generator))
     tokens = list(prompt_ids) + [first]
-    proposer.start(prompt_ids)
     num_new = 1
     yield first
     if first in eos or num_new >= params.max_new_tokens:

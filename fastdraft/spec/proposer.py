@@ -38,10 +38,14 @@ class DraftModelProposer:
         self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
         self.step_costs = None  # measured on first use by speculative_generate
 
+    @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
-        """A new sequence; a separate draft cache is filled lazily on the first proposal."""
+        """A new sequence: prefill a separate draft cache with the prompt now, as part of the
+        time to first token, rather than inside the first decode step."""
         if not self.shares_target_cache:
             self.kv_cache.reset()
+            ids = torch.tensor([prompt_ids], device=self.model.device)
+            self.model(ids, self.kv_cache, self.kv_cache.append(len(prompt_ids)))
 
     @torch.inference_mode()
     def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
