@@ -69,13 +69,15 @@ class QuantLinear(nn.Module):
 
 def exact_min_rows(model: nn.Module) -> int:
     """The ``min_rows`` a model needs for verification to reproduce decoding bit for bit:
-    1 when every linear runs on a row-invariant kernel, else 8 (pad small matmuls to 8 rows)."""
+    1 when every linear runs on a row-invariant kernel, else ``EXACT_MIN_ROWS`` (padding)."""
+    from fastdraft.models.llama import EXACT_MIN_ROWS
+
     dtype, device = model.dtype, model.device
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            return 8
+            return EXACT_MIN_ROWS
         if isinstance(module, QuantLinear) and not module.kernel_for(dtype, device).capabilities.is_row_invariant:
-            return 8
+            return EXACT_MIN_ROWS
     return 1
 
 

@@ -36,7 +36,6 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 7:
-            # k + 1 <= 8 keeps verification inside the row-padded shape decoding uses.
             raise ValueError(f"num_speculative_tokens must be in 1..7, got {self.num_speculative_tokens}")
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
@@ -95,6 +94,11 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
     ``draft`` model (HF's ``assistant_model``) is used as is instead of loading ``config.draft``."""
     from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
 
+    min_rows = target.model.min_rows
+    if min_rows > 1 and config.num_speculative_tokens + 1 > min_rows:
+        # Verification must run in the same padded shape as a decode step to stay exact.
+        raise ValueError(f"num_speculative_tokens must be at most {min_rows - 1} for this model "
+                         f"(its matmuls are padded to {min_rows} rows for exact greedy verification)")
     if config.draft == NGRAM:
         return NgramProposer(target.config.vocab_size)
     device = torch.device(config.draft_device) if config.draft_device else target.model.device

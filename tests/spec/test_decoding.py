@@ -160,6 +160,13 @@ def test_ngram_proposer_copies_the_continuation():
     assert proposer.propose([7, 8], 3, SamplingParams(), None).draft_token_ids.numel() == 0
 
 
+def test_draft_length_must_fit_the_padded_shape(target):
+    # Dense fp32 matmuls are not row-invariant: verification runs padded like a decode step.
+    assert target.model.min_rows == 5
+    with pytest.raises(ValueError, match="at most 4"):
+        TextGenerator(target, speculative=SpeculativeConfig(draft="self", num_speculative_tokens=6))
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         SpeculativeConfig(num_speculative_tokens=0)
