@@ -124,6 +124,7 @@ class GenerationStream:
     def __init__(self) -> None:
         self._pieces: Iterator[str] = iter(())
         self.metrics = GenerationMetrics()
+        self.prompt_ids: list[int] = []
         self.token_ids: list[int] = []
         self.text = ""
 
@@ -183,6 +184,7 @@ class TextGenerator:
         prompt_ids = list(prompt) if is_ids else self.encode_prompt(prompt, chat)
         check_request(len(prompt_ids), params, self.max_seq_len)
         stream = GenerationStream()
+        stream.prompt_ids = prompt_ids
         stream.metrics.num_prompt_tokens = len(prompt_ids)
         if self.proposer is None:
             token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)

@@ -59,9 +59,9 @@ class LLM:
 
     def _run(self, prompt, params: SamplingParams, chat: bool) -> RequestOutput:
         stream = self.generator.stream(prompt, params, chat=chat).consume()
-        prompt_ids = self.generator.encode_prompt(prompt, chat)
         completion = CompletionOutput(0, stream.text, stream.token_ids, stream.metrics.finish_reason)
-        return RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, [completion], stream.metrics)
+        return RequestOutput(prompt if isinstance(prompt, str) else None, stream.prompt_ids, [completion],
+                             stream.metrics)
 
 
 class CausalLM:
