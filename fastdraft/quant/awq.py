@@ -17,6 +17,13 @@ from fastdraft.quant.format import dequantize, quantize
 _NUM_GRID = 20
 
 
+def even_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """At most ``max_rows`` evenly spaced rows of ``x``: deterministic and representative."""
+    if x.shape[0] <= max_rows:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, max_rows).long()]
+
+
 def _fake_quant(w: torch.Tensor, group_size: int, sym: bool) -> torch.Tensor:
     return dequantize(quantize(w, 4, group_size, sym))
 
@@ -47,9 +54,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: boo
     w = weight.float()
     n, k = w.shape
     g = k if group_size == -1 else group_size
-    x = x.float()
-    if x.shape[0] > num_rows:
-        x = x[torch.linspace(0, x.shape[0] - 1, num_rows).long()]
+    x = even_rows(x.float(), num_rows)
     xg = x.view(x.shape[0], k // g, g)  # [rows, groups, G]
     wg = w.view(n, k // g, g)  # [N, groups, G]
     reference = torch.einsum("rgi,ngi->ngr", xg, wg)  # per-group partial outputs

@@ -21,7 +21,7 @@ from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.format import resolve_group_size
 from fastdraft.quant.linear import QuantEmbedding, QuantLinear
-from fastdraft.quant.quantizer import LAYER_LINEARS, _replace
+from fastdraft.quant.quantizer import LAYER_LINEARS, replace_module
 
 QUANT_METHOD_TAG = "fastdraft"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -47,7 +47,7 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
             linear: nn.Linear = layer.get_submodule(name)
             bits, group_size, sym = config.layer_format(idx, num_layers, name)
             group = resolve_group_size(group_size, linear.in_features)
-            _replace(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, bits, group,
+            replace_module(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, bits, group,
                                                     sym, linear.bias is not None))
     if config.lm_head_bits == 8:
         head = model.lm_head

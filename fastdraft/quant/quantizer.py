@@ -59,7 +59,7 @@ def _capture_inputs(layer: nn.Module, names: tuple[str, ...], sink) -> Iterator[
             h.remove()
 
 
-def _replace(layer: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(layer: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(layer.get_submodule(parent_name) if parent_name else layer, child, module)
 
@@ -78,7 +78,7 @@ def _quantize_layer_rtn(layer: LlamaDecoderLayer, config: QuantConfig, num_layer
     for name in LAYER_LINEARS:
         linear = layer.get_submodule(name)
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
-        _replace(layer, name, _quant_linear(linear, _rtn(linear.weight, fmt)))
+        replace_module(layer, name, _quant_linear(linear, _rtn(linear.weight, fmt)))
 
 
 def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
@@ -94,7 +94,7 @@ def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, con
         else:
             qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
                                config.act_order, config.damp_percent)
-        _replace(layer, name, _quant_linear(linear, qw))
+        replace_module(layer, name, _quant_linear(linear, qw))
 
 
 def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
@@ -109,10 +109,7 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         runner.run(layer)
     x = {}
     for name, chunks in inputs.items():
-        rows = torch.cat(chunks)
-        if rows.shape[0] > _AWQ_MAX_ROWS:  # evenly spaced rows: deterministic and representative
-            rows = rows[torch.linspace(0, rows.shape[0] - 1, _AWQ_MAX_ROWS).long()]
-        x[name] = rows
+        x[name] = awq.even_rows(torch.cat(chunks), _AWQ_MAX_ROWS)
     attn, mlp = layer.self_attn, layer.mlp
     # (op producing the input, linears consuming it, the name their input was captured under)
     groups = [
@@ -135,7 +132,7 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
         if fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
             weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym)
-        _replace(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
+        replace_module(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
 
 
 def quantize_model(model: LlamaForCausalLM, config: QuantConfig,

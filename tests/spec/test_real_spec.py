@@ -3,7 +3,6 @@
 import gc
 
 import pytest
-import torch
 
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.sampling_params import SamplingParams
