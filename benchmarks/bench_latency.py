@@ -205,7 +205,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     if len(prompt_ids) != args.prompt_tokens:
         raise SystemExit(f"{os.__file__} has only {len(prompt_ids)} tokens")
     bandwidth = measure_bandwidth()
-    systems: dict[str, Callable[[], dict]] = {"fastdraft": lambda: bench_fastdraft(name, args.dtype, prompt_ids, args)}
+    systems: dict[str, Callable[[], dict]] = {}
+    if not args.no_dense:
+        systems["fastdraft"] = lambda: bench_fastdraft(name, args.dtype, prompt_ids, args)
     for spec in args.quant:
         from fastdraft.quant.config import parse_quant_spec
 
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--quant", action="append", default=None,
                         help="also run fastdraft quantized with this spec (repeatable; default "
                              "method=rtn,group_size=128; pass 'none' to skip)")
+    parser.add_argument("--no-dense", action="store_true", help="skip fastdraft unquantized")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     parser.add_argument("--json", type=Path, default=Path("bench_results/latency.json"))

@@ -13,12 +13,13 @@ import torch
 from fastdraft.kernels.aten import AtenInt4Kernel, AtenInt8Kernel
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.reference import ReferenceKernel
+from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.quant.format import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 KERNELS: dict[str, type[WeightOnlyKernel]] = {
-    k.name: k for k in (ReferenceKernel, AtenInt4Kernel, AtenInt8Kernel)
+    k.name: k for k in (ReferenceKernel, AtenInt4Kernel, AtenInt8Kernel, X86WoqKernel)
 }
 
 

@@ -1,0 +1,90 @@
+"""Compile-on-first-use of the C++ CPU kernels, cached under ``$FASTDRAFT_HOME/kernels``.
+
+The extension is built with ``torch.utils.cpp_extension`` (gcc + ninja) the first time a
+kernel is needed; later processes load the cached library. The cache key covers the source,
+the compiler flags and the torch/Python versions, so an upgrade rebuilds instead of loading
+a stale binary. When the CPU lacks the instruction sets or no compiler works, callers get
+``None`` and fall back to the PyTorch kernels with one logged notice.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "woq_x86.cpp"
+# Every instruction the kernels use; the build never targets the build machine (-march=native)
+# so that a cache shared between machines stays valid.
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+          "-mf16c", "-mfma", "-std=c++17"]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def missing_cpu_flags() -> list[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["x86-64"]
+    flags = cpu_flags()
+    return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+
+
+def cache_dir() -> Path:
+    from fastdraft.models.registry import fastdraft_home
+
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(CFLAGS).encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return fastdraft_home() / "kernels" / f"woq_x86-{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def load_x86_extension() -> ModuleType | None:
+    """The compiled x86 kernel module, or ``None`` (with a logged reason) if it cannot run here."""
+    if os.environ.get("FASTDRAFT_DISABLE_CPU_KERNELS"):
+        logger.info("fastdraft CPU kernels disabled by FASTDRAFT_DISABLE_CPU_KERNELS; using PyTorch kernels")
+        return None
+    missing = missing_cpu_flags()
+    if missing:
+        logger.warning("this CPU lacks %s: using PyTorch's weight-only kernels instead of fastdraft's",
+                       ", ".join(missing))
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler found: using PyTorch's weight-only kernels instead of fastdraft's")
+        return None
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    is_cached = any(build_dir.glob("*.so"))
+    if not is_cached:
+        logger.warning("building fastdraft's CPU kernels (first use only, about a minute) in %s", build_dir)
+    try:
+        # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
+        return cpp_extension.load(name="fastdraft_woq_x86", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # compiler missing pieces, ninja absent, ...: fall back, never crash
+        logger.warning("could not build fastdraft's CPU kernels (%s): using PyTorch's kernels", exc)
+        return None

@@ -1,0 +1,354 @@
+// Weight-only INT4/INT8 matmuls for x86-64 with AVX-512 + VNNI.
+//
+// Layout (built once by fastdraft/kernels/x86.py::repack, see there for the exact spec):
+//   weights  uint8 [num_tiles, num_chunks, 16, 4]: 16 output rows per tile; each row holds
+//            4 bytes per chunk, so one 64-byte load feeds one vpdpbusd across 16 rows.
+//            INT4 chunk = 8 input channels: byte j holds k = 8c + j (low nibble) and
+//            k = 8c + 4 + j (high nibble). INT8 chunk = 4 channels, stored as q + 128.
+//   scales   fp16 [num_tiles, num_groups, 16]; zeros uint8 [num_tiles, num_groups, 16] (asym).
+//
+// Decode math: activations are quantized per block of `block` channels to int8 (scale =
+// absmax / 127), so each block is an exact int32 dot product (u8 weights x s8 activations)
+//     y[n] = sum_g  s[n,g] * (sum_{b in g} d_b * dot_b[n])  -  s[n,g] * z[n,g] * corr_g
+// with corr_g = sum_{b in g} d_b * sum(xq_b). Every output row follows the same sequence of
+// operations whatever the number of rows in the call, so results are row-invariant.
+// The plain PyTorch twin of this math is fastdraft/kernels/x86.py::reference_woq_matmul.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;   // output rows per tile (one zmm of int32 lanes)
+constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight tile
+
+struct Activations {
+  std::vector<int8_t> q;     // [M, K_pad]
+  std::vector<float> scale;  // [M, num_blocks]
+  std::vector<float> corr;   // [M, num_groups]
+  int64_t k_pad = 0, num_blocks = 0, num_groups = 0;
+};
+
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion does.
+  __m512i i = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(i, 16)));
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  if (remaining >= 16) return 0xffff;
+  if (remaining <= 0) return 0;
+  return static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t block, int64_t blocks_per_group, Activations& a, int64_t m) {
+  int8_t* q = a.q.data() + m * a.k_pad;
+  float* scale = a.scale.data() + m * a.num_blocks;
+  float* corr = a.corr.data() + m * a.num_groups;
+  const int64_t vecs = block / 16;
+  __m512 v[8];  // block <= 128
+  for (int64_t b = 0; b < a.num_blocks; ++b) {
+    const int64_t k0 = b * block;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < vecs; ++i) {
+      v[i] = load16(x + k0 + 16 * i, tail_mask(k - k0 - 16 * i));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    }
+    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < vecs; ++i) {
+      __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));  // round half to even
+      sum = _mm512_add_epi32(sum, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16 * i), _mm512_cvtsepi32_epi8(qi));
+    }
+    scale[b] = d;
+    const int64_t g = b / blocks_per_group;
+    if (b % blocks_per_group == 0) corr[g] = 0.0f;
+    corr[g] += d * static_cast<float>(_mm512_reduce_add_epi32(sum));
+  }
+}
+
+Activations quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group) {
+  const int64_t m = x.size(0), k = x.size(1);
+  Activations a;
+  a.k_pad = k_pad;
+  a.num_blocks = k_pad / block;
+  a.num_groups = k_pad / group;
+  a.q.resize(m * k_pad);
+  a.scale.resize(m * a.num_blocks);
+  a.corr.resize(m * a.num_groups);
+  const int64_t blocks_per_group = group / block;
+  auto run = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (x.scalar_type() == at::kFloat)
+        quantize_row(x.data_ptr<float>() + r * k, k, block, blocks_per_group, a, r);
+      else
+        quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, block, blocks_per_group, a, r);
+    }
+  };
+  if (m >= 16) at::parallel_for(0, m, 4, run); else run(0, m);
+  return a;
+}
+
+// One weight tile (16 output rows) against ROWS activation rows.
+template <int BITS, int ROWS, bool ASYM, typename T>
+void tile_kernel(const uint8_t* w, const at::Half* scales, const uint8_t* zeros, float zero_const,
+                 const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
+                 T* out, int64_t ldo, __mmask16 out_mask) {
+  // Independent int32 accumulator chains per row hide vpdpbusd latency when rows are few;
+  // with many rows the rows themselves are independent and registers are scarce.
+  constexpr int kUnroll = 2;
+  constexpr int kSteps = (BITS == 4 ? 2 : 1) * kUnroll;  // vpdpbusd per row per unrolled step
+  constexpr int kChains = ROWS <= 2 ? kSteps : (ROWS <= 4 ? 2 : 1);
+  const int64_t chunk_k = BITS == 4 ? 8 : 4;
+  const int64_t chunks_per_block = block / chunk_k;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int8_t* xq[ROWS];
+  const float* xs[ROWS];
+  const float* xc[ROWS];
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    xq[r] = a.q.data() + (m0 + r) * a.k_pad;
+    xs[r] = a.scale.data() + (m0 + r) * a.num_blocks;
+    xc[r] = a.corr.data() + (m0 + r) * a.num_groups;
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    __m512 gacc[ROWS];
+    for (int r = 0; r < ROWS; ++r) gacc[r] = _mm512_setzero_ps();
+    for (int64_t bb = 0; bb < blocks_per_group; ++bb) {
+      const int64_t b = g * blocks_per_group + bb;
+      __m512i dot[ROWS][kChains];
+      for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks_per_block; c += kUnroll) {
+        for (int u = 0; u < kUnroll; ++u) {
+#ifdef FASTDRAFT_PREFETCH
+          _mm_prefetch(reinterpret_cast<const char*>(w) + FASTDRAFT_PREFETCH, _MM_HINT_T0);
+#endif
+          const __m512i v = _mm512_loadu_si512(w);
+          w += 64;
+          const int64_t k0 = b * block + (c + u) * chunk_k;
+          if constexpr (BITS == 4) {
+            const __m512i lo = _mm512_and_si512(v, nibble);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < ROWS; ++r) {
+              int32_t x_lo, x_hi;
+              std::memcpy(&x_lo, xq[r] + k0, 4);
+              std::memcpy(&x_hi, xq[r] + k0 + 4, 4);
+              __m512i& d_lo = dot[r][(2 * u) % kChains];
+              d_lo = _mm512_dpbusd_epi32(d_lo, lo, _mm512_set1_epi32(x_lo));
+              __m512i& d_hi = dot[r][(2 * u + 1) % kChains];
+              d_hi = _mm512_dpbusd_epi32(d_hi, hi, _mm512_set1_epi32(x_hi));
+            }
+          } else {
+            for (int r = 0; r < ROWS; ++r) {
+              int32_t xv;
+              std::memcpy(&xv, xq[r] + k0, 4);
+              __m512i& d = dot[r][u % kChains];
+              d = _mm512_dpbusd_epi32(d, v, _mm512_set1_epi32(xv));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        __m512i total = dot[r][0];
+        for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, dot[r][c]);
+        gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xs[r][b]), gacc[r]);
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
+    __m512 zw;
+    if constexpr (ASYM) {
+      const __m128i z8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + g * kTile));
+      zw = _mm512_mul_ps(ws, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8)));
+    } else {
+      zw = _mm512_mul_ps(ws, _mm512_set1_ps(zero_const));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm512_fmadd_ps(ws, gacc[r], acc[r]);
+      acc[r] = _mm512_fnmadd_ps(zw, _mm512_set1_ps(xc[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) store16(out + (m0 + r) * ldo, acc[r], out_mask);
+}
+
+template <int BITS, bool ASYM, typename T>
+void tile_rows(int rows, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, const Activations& a,
+               int64_t m0, int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
+  switch (rows) {
+    case 1: tile_kernel<BITS, 1, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 2: tile_kernel<BITS, 2, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 3: tile_kernel<BITS, 3, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 4: tile_kernel<BITS, 4, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 5: tile_kernel<BITS, 5, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 6: tile_kernel<BITS, 6, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    case 7: tile_kernel<BITS, 7, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+    default: tile_kernel<BITS, 8, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
+  }
+}
+
+template <int BITS, bool ASYM, typename T>
+void gemm(const Activations& a, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, int64_t m,
+          int64_t n, int64_t block, int64_t group, T* out) {
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  const int64_t tile_bytes = a.k_pad * BITS / 8 * kTile;
+  const int64_t bpg = group / block;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const __mmask16 mask = tail_mask(n - t * kTile);
+      const uint8_t* zt = ASYM ? z + t * a.num_groups * kTile : nullptr;
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - m0));
+        tile_rows<BITS, ASYM>(rows, w + t * tile_bytes, s + t * a.num_groups * kTile, zt, zc, a, m0, block, bpg,
+                              out + t * kTile, n, mask);
+      }
+    }
+  });
+}
+
+void check_common(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& zeros,
+                  int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
+  TORCH_CHECK(group % block == 0 && k_pad % group == 0, "group must be a multiple of block dividing k_pad");
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == num_tiles * k_pad * bits / 8 * kTile,
+              "packed weight has the wrong dtype, layout or size");
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.numel() == num_tiles * (k_pad / group) * kTile,
+              "scales have the wrong dtype, layout or size");
+  TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
+                  (zeros.dtype() == at::kByte && zeros.is_contiguous() && zeros.numel() == scales.numel()),
+              "zeros have the wrong dtype, layout or size");
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W^T for a repacked INT4/INT8 weight; x is float32 or bfloat16.
+torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
+                         int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const) {
+  check_common(packed, scales, zeros, bits, n, k_pad, block, group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= k_pad, "x must be [M, K] with K <= k_pad");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const Activations a = quantize_activations(x, k_pad, block, group);
+  const bool asym = zeros.defined() && zeros.numel() > 0;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const uint8_t* z = asym ? zeros.data_ptr<uint8_t>() : nullptr;
+  const float zc = static_cast<float>(zero_const);
+  auto run = [&](auto* o) {
+    if (bits == 4) {
+      if (asym) gemm<4, true>(a, w, s, z, zc, m, n, block, group, o);
+      else gemm<4, false>(a, w, s, z, zc, m, n, block, group, o);
+    } else {
+      gemm<8, false>(a, w, s, z, zc, m, n, block, group, o);
+    }
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+namespace {
+
+// Row n of one tile, 16 chunks at a time, as 128 (INT4) or 64 (INT8) consecutive uint8 values.
+template <typename T>
+void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, int64_t k,
+                  int64_t k_pad, int64_t group, int64_t num_groups, int64_t rows, T* out) {
+  const int64_t chunk_k = bits == 4 ? 8 : 4;
+  const int64_t num_chunks = k_pad / chunk_k;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i even = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i odd = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  alignas(64) uint8_t vals[128];
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                              _mm512_set1_epi32(kTile)), _mm512_set1_epi32(static_cast<int>(r)));
+    for (int64_t c0 = 0; c0 < num_chunks; c0 += 16) {
+      const __m512i v = _mm512_i32gather_epi32(index, w + c0 * 64, 4);  // dword i = chunk c0 + i of row r
+      int64_t count;
+      if (bits == 4) {
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        const __m512i a = _mm512_unpacklo_epi32(lo, hi);  // chunks {0,1},{4,5},{8,9},{12,13}
+        const __m512i b = _mm512_unpackhi_epi32(lo, hi);  // chunks {2,3},{6,7},{10,11},{14,15}
+        _mm512_store_si512(vals, _mm512_permutex2var_epi64(a, even, b));
+        _mm512_store_si512(vals + 64, _mm512_permutex2var_epi64(a, odd, b));
+        count = 128;
+      } else {
+        _mm512_store_si512(vals, v);
+        count = 64;
+      }
+      const int64_t k0 = c0 * chunk_k;
+      for (int64_t p = 0; p < count; p += 16) {
+        const int64_t kk = k0 + p;
+        if (kk >= k) break;
+        const int64_t g = kk / group;
+        const float scale = static_cast<float>(s[g * kTile + r]);
+        const float zero = z ? static_cast<float>(z[g * kTile + r]) : zc;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(vals + p))));
+        const __m512 wv = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+        store16(out + r * k + kk, wv, tail_mask(k - kk));
+      }
+    }
+  }
+  (void)num_groups;
+}
+
+}  // namespace
+
+// The dense [N, K] weight (float32 or bfloat16) of a repacked INT4/INT8 weight: the large-M
+// (prefill) path dequantizes once and runs a oneDNN GEMM (AMX-BF16 where the CPU has it).
+torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t bits, int64_t n,
+                             int64_t k, int64_t k_pad, int64_t block, int64_t group, double zero_const,
+                             at::ScalarType dtype) {
+  check_common(packed, scales, zeros, bits, n, k_pad, block, group);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  TORCH_CHECK(k <= k_pad, "k must be <= k_pad");
+  auto out = torch::empty({n, k}, packed.options().dtype(dtype));
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  const int64_t num_groups = k_pad / group;
+  const int64_t tile_bytes = k_pad * bits / 8 * kTile;
+  const bool asym = zeros.defined() && zeros.numel() > 0;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rows = std::min<int64_t>(kTile, n - t * kTile);
+      const uint8_t* w = packed.data_ptr<uint8_t>() + t * tile_bytes;
+      const at::Half* s = scales.data_ptr<at::Half>() + t * num_groups * kTile;
+      const uint8_t* z = asym ? zeros.data_ptr<uint8_t>() + t * num_groups * kTile : nullptr;
+      if (dtype == at::kFloat)
+        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, num_groups, rows,
+                     out.data_ptr<float>() + t * kTile * k);
+      else
+        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, num_groups, rows,
+                     out.data_ptr<at::BFloat16>() + t * kTile * k);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("woq_linear", &woq_linear, "INT4/INT8 weight-only linear (AVX-512 VNNI)");
+  m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT8 weight");
+}
