@@ -27,6 +27,9 @@ class KernelCapabilities:
     # Each output row is bit-identical whatever the number of rows (up to 8) in the call:
     # needed so that speculative verification reproduces one-token decoding exactly.
     is_row_invariant: bool = False
+    # Activations are quantized to int8 on the fly (VNNI): results differ from the dense
+    # product by that rounding, and match the kernel's own reference twin exactly.
+    is_activation_quantized: bool = False
 
 
 class WeightOnlyKernel(ABC):

@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "woq_x86.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq_x86.cpp", "fused_x86.cpp")]
 # Every instruction the kernels use; the build never targets the build machine (-march=native)
 # so that a cache shared between machines stays valid.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
@@ -54,7 +54,8 @@ def cache_dir() -> Path:
     from fastdraft.models.registry import fastdraft_home
 
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(CFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     return fastdraft_home() / "kernels" / f"woq_x86-{key.hexdigest()[:16]}"
@@ -83,7 +84,7 @@ def load_x86_extension() -> ModuleType | None:
         logger.warning("building fastdraft's CPU kernels (first use only, about a minute) in %s", build_dir)
     try:
         # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
-        return cpp_extension.load(name="fastdraft_woq_x86", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return cpp_extension.load(name="fastdraft_woq_x86", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # compiler missing pieces, ninja absent, ...: fall back, never crash
         logger.warning("could not build fastdraft's CPU kernels (%s): using PyTorch's kernels", exc)

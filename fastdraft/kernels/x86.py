@@ -136,7 +136,8 @@ class X86WoqKernel(WeightOnlyKernel):
     name = "x86-vnni"
     capabilities = KernelCapabilities(bits=(4, 8), is_asym_supported=True, group_sizes=None,
                                       activation_dtypes=(torch.float32, torch.bfloat16),
-                                      device_types=("cpu",), priority=20, is_row_invariant=True)
+                                      device_types=("cpu",), priority=20, is_row_invariant=True,
+                                      is_activation_quantized=True)
 
     @classmethod
     def is_available(cls) -> bool:

@@ -15,9 +15,11 @@ from torch import nn
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import cached_attention
+from fastdraft.layers.linear import fused_linears
 from fastdraft.layers.norm import RMSNorm
-from fastdraft.layers.rotary import RotaryEmbedding, apply_rotary
+from fastdraft.layers.rotary import RotaryEmbedding
 
 
 # Rows small matmuls are padded to when kernels are not row-invariant: one decode step and a
@@ -45,12 +47,19 @@ class LlamaAttention(nn.Module):
         # LlamaModel.min_rows): projections see them, attention and the cache do not.
         batch, num_rows, _ = hidden_states.shape
         num_tokens = meta.num_tokens
-        # [batch, heads, num_tokens, head_dim]
-        q = self.q_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states)[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        qkv = fused_linears(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
+        if qkv is not None:  # [batch, num_rows, (num_heads + 2 * num_kv_heads) * head_dim]
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        # [batch, num_tokens, heads, head_dim]
+        q = q[:, :num_tokens].view(batch, num_tokens, self.num_heads, self.head_dim)
+        k = k[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        v = v[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        # -> [batch, heads, num_tokens, head_dim]
+        q = rotary(q, cos, sin).transpose(1, 2)
+        k = rotary(k, cos, sin).transpose(1, 2)
         k_all, v_all = kv_cache.update(self.layer_idx, k, v.transpose(1, 2), meta)
         out = cached_attention(q, k_all, v_all, meta, self.scale)
         out = out.transpose(1, 2).reshape(batch, num_tokens, self.num_heads * self.head_dim)
@@ -68,7 +77,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused_linears(self, ("gate_proj", "up_proj"), x)  # [..., 2 * intermediate_size]
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

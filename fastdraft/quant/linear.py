@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdraft.kernels import WeightOnlyKernel, select_kernel
+from fastdraft.kernels import WeightOnlyKernel, kernel_class, select_kernel
 from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight
 
 
@@ -76,8 +76,10 @@ def exact_min_rows(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, nn.Linear):
             return EXACT_MIN_ROWS
-        if isinstance(module, QuantLinear) and not module.kernel_for(dtype, device).capabilities.is_row_invariant:
-            return EXACT_MIN_ROWS
+        if isinstance(module, QuantLinear):
+            kernel = kernel_class(module.quantized_weight, dtype, device, module.kernel_name)
+            if not kernel.capabilities.is_row_invariant:
+                return EXACT_MIN_ROWS
     return 1
 
 

@@ -19,7 +19,11 @@ def _check(kernel_name, qw, m, dtype):
     expected = x.float() @ dequantize(qw).t()
     assert out.shape == (m, qw.out_features) and out.dtype == dtype
     # fp32: exact up to summation order; bf16: activations/scales rounded to 8 mantissa bits.
+    # Kernels with dynamically quantized int8 activations are exact against their own twin
+    # (tests/kernels/test_x86.py) and within int8 rounding of the dense product.
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if KERNELS[kernel_name].capabilities.is_activation_quantized:
+        tol = 2e-2
     scale = expected.abs().max().item()
     assert (out.float() - expected).abs().max().item() <= tol * scale
 
@@ -52,8 +56,9 @@ def test_int8_kernels_match_reference(kernel_name, shape):
 def test_selection_prefers_fast_kernels_and_falls_back():
     qw4 = quantize(torch.randn(64, 512), 4, 128, sym=False)
     assert select_kernel(qw4, torch.float32, "cpu").name != "reference"
-    qw8_grouped = quantize(torch.randn(64, 512), 8, 128, sym=True)  # aten int8 is per-channel only
-    assert select_kernel(qw8_grouped, torch.float32, "cpu").name == "reference"
+    qw8_grouped = quantize(torch.randn(64, 512), 8, 128, sym=True)
+    # fp16 activations: only the reference takes grouped INT8 (aten's is per-channel, ours f32/bf16)
+    assert select_kernel(qw8_grouped, torch.float16, "cpu").name == "reference"
     with pytest.raises(ValueError, match="unknown kernel"):
         select_kernel(qw4, torch.float32, "cpu", name="nope")
 

@@ -1,0 +1,90 @@
+"""Fused decoder-layer elementwise ops: C++ (``csrc/fused_x86.cpp``) with PyTorch twins.
+
+Each public function runs the C++ op when the tensors qualify (CPU, float32/bfloat16, the
+extension built) and otherwise its ``reference_*`` twin, which defines the semantics: the same
+intermediate roundings to the storage dtype as the unfused PyTorch code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastdraft.kernels.build import load_x86_extension
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _extension_for(*tensors: torch.Tensor):
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _FUSED_DTYPES:
+        return None
+    if any(t.dtype != first.dtype for t in tensors):
+        return None
+    return load_x86_extension()
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(input_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 (as HF does), scaled by ``weight``."""
+    ext = _extension_for(x, weight)
+    if ext is None or not weight.is_contiguous():
+        return reference_rms_norm(x, weight, eps)
+    return ext.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
+def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x = [gate | up]`` along the last dim -> ``silu(gate) * up``."""
+    ext = _extension_for(x)
+    if ext is None:
+        return reference_silu_and_mul(x)
+    out = ext.silu_and_mul(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., tokens, heads, head_dim], cos/sin [..., tokens, head_dim] (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [batch, tokens, heads, head_dim] by cos/sin [batch, tokens, head_dim].
+
+    ``x`` may be a column slice of a wider row (e.g. the q part of a fused qkv projection)."""
+    ext = _extension_for(x, cos, sin)
+    batch, tokens, heads, head_dim = x.shape
+    rows = x.reshape(batch * tokens, heads * head_dim) if ext is not None else None
+    if ext is None or rows.stride(1) != 1 or head_dim % 2:
+        return reference_rotary(x, cos, sin)
+    cos2, sin2 = cos.reshape(batch * tokens, head_dim), sin.reshape(batch * tokens, head_dim)
+    out = ext.rotary(rows, cos2.contiguous(), sin2.contiguous(), heads, head_dim)
+    return out.view(batch, tokens, heads, head_dim)
+
+
+def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Unmasked attention of a few query rows q [B, H, R, D] over k/v [B, H, L, D] (same H:
+    grouped queries are folded into R by the caller). Split over fixed 256-key chunks, so the
+    result does not depend on the thread count."""
+    ext = _extension_for(q, k, v)
+    if (ext is None or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[2] > 64
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return reference_decode_attention(q, k, v, scale)
+    return ext.decode_attention(q, k, v, scale)

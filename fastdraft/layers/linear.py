@@ -1,0 +1,85 @@
+"""Several linears that read the same input (q/k/v, gate/up), run as one matmul.
+
+At batch 1 a decode step is bound by reading weights, and every extra kernel call adds fixed
+overhead: one call over the concatenated weight reads the same bytes in fewer, longer streams.
+The fused weight is derived state, built on first use; parameter names stay HF's. Dense
+linears are re-pointed at row slices of the fused weight, so no memory is duplicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdraft.quant.format import QuantizedWeight
+from fastdraft.quant.linear import QuantLinear
+
+_CACHE_ATTR = "_fused_linears"
+
+
+def _concat_bias(linears: list[nn.Module]) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    ref = next(b for b in biases if b is not None)
+    return torch.cat([b.detach() if b is not None else ref.new_zeros(lin.out_features)
+                      for b, lin in zip(biases, linears)])
+
+
+def _build_dense(linears: list[nn.Linear]):
+    weights = [lin.weight for lin in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    fused = torch.cat([w.detach() for w in weights])  # [sum N, K]
+    offset = 0
+    for lin in linears:  # share storage with the fused weight instead of keeping two copies
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[offset:offset + rows]
+        offset += rows
+    bias = _concat_bias(linears)
+    return lambda x: F.linear(x, fused, bias)
+
+
+def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.device):
+    first = linears[0]
+    signature = {(lin.bits, lin.group_size, lin.in_features, hasattr(lin, "qzeros"), lin.kernel_name)
+                 for lin in linears}
+    if len(signature) != 1 or first.kernel_name is not None:
+        return None
+    parts = [lin.quantized_weight for lin in linears]
+    qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                         None if first.quantized_weight.zeros is None else torch.cat([p.zeros for p in parts]),
+                         first.bits, first.group_size, first.in_features)
+    from fastdraft.kernels import kernel_class
+
+    cls = kernel_class(qw, dtype, device)
+    if cls.capabilities.priority <= 0:  # only the dense reference: fusing would copy weights
+        return None
+    kernel = cls(qw, dtype, device)
+    bias = _concat_bias(linears)
+    if bias is None:
+        return kernel
+    bias = bias.to(dtype)
+    return lambda x: kernel(x) + bias
+
+
+def fused_linears(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """``cat([owner.<name>(x) for name in names], -1)`` as one matmul, or ``None`` when the
+    linears cannot be fused (mixed formats, hooks); the caller then runs them one by one."""
+    linears = [getattr(owner, name) for name in names]
+    if any(lin._forward_pre_hooks or lin._forward_hooks for lin in linears):
+        return None  # someone observes the individual calls (e.g. GPTQ/AWQ calibration)
+    key = (tuple(id(lin) for lin in linears), x.dtype, x.device)
+    cache = owner.__dict__.setdefault(_CACHE_ATTR, {})
+    entry = cache.get(names)
+    if entry is None or entry[0] != key:
+        if all(type(lin) is nn.Linear for lin in linears):
+            fn = _build_dense(linears)
+        elif all(isinstance(lin, QuantLinear) for lin in linears):
+            fn = _build_quant(linears, x.dtype, x.device)
+        else:
+            fn = None
+        entry = cache[names] = (key, fn)
+    fn = entry[1]
+    return None if fn is None else fn(x)

@@ -1,0 +1,136 @@
+"""fastdraft's C++ x86 kernels against their plain PyTorch twins."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdraft.kernels import fused, select_kernel
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
+from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize
+
+pytestmark = pytest.mark.skipif(load_x86_extension() is None,
+                                reason="x86 kernels unavailable (no AVX-512 VNNI or no compiler)")
+CPU = torch.device("cpu")
+# (out_features, in_features): tile tails (N % 16), K padded to 128, long K, tiny K
+SHAPES = [(96, 256), (37, 96), (200, 512), (48, 3072), (16, 64)]
+
+
+def _weights():
+    for n, k in SHAPES:
+        for g in (32, 64, 128, 256, 512, 1024, PER_CHANNEL):
+            if g != PER_CHANNEL and k % g:
+                continue
+            for bits, sym in ((4, True), (4, False), (8, True)):
+                if bits == 8 and g != PER_CHANNEL and g not in (32, 128):
+                    continue
+                yield pytest.param(n, k, g, bits, sym, id=f"{n}x{k}-g{g}-int{bits}-{'sym' if sym else 'asym'}")
+
+
+@pytest.mark.parametrize("n,k,group_size,bits,sym", list(_weights()))
+def test_vnni_matches_twin_and_dense(n, k, group_size, bits, sym):
+    torch.manual_seed(n + k)
+    qw = quantize(torch.randn(n, k), bits, group_size, sym)
+    kernel = X86WoqKernel(qw, torch.float32, CPU, large_m=None)
+    dense = dequantize(qw)
+    for m in (1, 2, 3, 5, 8, 9, 33):
+        x = torch.randn(m, k)
+        out = kernel(x)
+        twin = reference_woq_matmul(x, qw)
+        scale = twin.abs().max().item()
+        assert (out.double() - twin).abs().max().item() <= 1e-5 * scale, f"M={m}"
+        assert (out - x @ dense.t()).abs().max().item() <= 2e-2 * scale, f"M={m}"
+
+
+@pytest.mark.parametrize("bits,sym", [(4, True), (4, False), (8, True)])
+def test_rows_are_bit_identical_whatever_the_row_count(bits, sym):
+    """Verification of k drafts must reproduce one-token decoding exactly."""
+    qw = quantize(torch.randn(80, 384), bits, 128 if bits == 4 else PER_CHANNEL, sym)
+    kernel = X86WoqKernel(qw, torch.bfloat16, CPU, large_m=None)
+    x = torch.randn(11, 384).to(torch.bfloat16)
+    together = kernel(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(kernel(x[i:i + 1])[0], together[i])
+    assert torch.equal(kernel(x[2:7]), together[2:7])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sym", [True, False])
+def test_large_m_path_dequantizes_exactly(dtype, sym):
+    qw = quantize(torch.randn(50, 320), 4, 64, sym)
+    kernel = X86WoqKernel(qw, dtype, CPU, large_m=4)
+    assert torch.equal(kernel.dense_weight(torch.float32), dequantize(qw))
+    x = torch.randn(6, 320).to(dtype)
+    expected = F.linear(x, dequantize(qw, dtype))
+    assert torch.allclose(kernel(x).float(), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dense_weight_and_bf16_output():
+    qw = quantize(torch.randn(40, 256), 8, PER_CHANNEL, sym=True)
+    kernel = X86WoqKernel(qw, torch.bfloat16, CPU, large_m=None)
+    assert torch.equal(kernel.dense_weight(torch.float32), dequantize(qw))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    out = kernel(x)
+    assert out.dtype == torch.bfloat16
+    expected = reference_woq_matmul(x, qw).to(torch.bfloat16)  # one rounding apart at most
+    assert torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_repack_layout_of_one_tile():
+    """Spot-check the documented layout: chunk c, row n, byte j holds k = 8c + j and 8c + 4 + j."""
+    qw = quantize(torch.randn(16, 128), 4, 128, sym=True)
+    q = torch.stack((qw.qweight & 15, qw.qweight >> 4), -1).flatten(-2)  # [16, 128]
+    packed = repack(qw).packed  # [1, 16 chunks, 16 rows, 4 bytes]
+    for c, n, j in ((0, 0, 0), (3, 5, 2), (15, 15, 3)):
+        byte = int(packed[0, c, n, j])
+        assert byte & 15 == q[n, 8 * c + j] and byte >> 4 == q[n, 8 * c + 4 + j]
+
+
+def test_selected_for_supported_weights():
+    qw = quantize(torch.randn(64, 256), 4, 128, sym=False)
+    assert select_kernel(qw, torch.bfloat16, "cpu").name == "x86-vnni"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_match_their_twins(dtype):
+    torch.manual_seed(0)
+    tol = 0 if dtype == torch.bfloat16 else 1e-6  # bf16: same roundings, so mostly exact
+    x, w = torch.randn(5, 200).to(dtype), torch.randn(200).to(dtype)
+    assert torch.allclose(fused.rms_norm(x, w, 1e-6).float(), fused.reference_rms_norm(x, w, 1e-6).float(),
+                          rtol=1e-5, atol=1e-5)
+    gate_up = (torch.randn(3, 2 * 70) * 5).to(dtype)
+    assert torch.allclose(fused.silu_and_mul(gate_up).float(), fused.reference_silu_and_mul(gate_up).float(),
+                          rtol=1e-5 + tol, atol=1e-5)
+    qkv = torch.randn(2, 3, 4 * 32 + 2 * 32).to(dtype)  # a q slice of a fused projection row
+    q = qkv[..., :4 * 32].view(2, 3, 4, 32)
+    cos, sin = torch.randn(2, 3, 32).to(dtype), torch.randn(2, 3, 32).to(dtype)
+    assert torch.allclose(fused.rotary(q, cos, sin).float(), fused.reference_rotary(q, cos, sin).float(),
+                          rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030), (2, 3, 1, 64, 5), (1, 1, 9, 32, 600), (1, 2, 14, 64, 257)])
+def test_decode_attention_matches_sdpa(dtype, tol, shape):
+    b, h, r, d, length = shape
+    torch.manual_seed(length)
+    q = torch.randn(b, h, r, d).to(dtype)
+    cache_k, cache_v = torch.randn(b, h, 2048, d).to(dtype), torch.randn(b, h, 2048, d).to(dtype)
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # strided views, as the KV cache gives
+    out = fused.decode_attention(q, k, v, d ** -0.5)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=d ** -0.5)
+    assert (out.float() - expected).abs().max().item() <= tol
+
+
+def test_fallback_when_disabled(monkeypatch):
+    monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
+    load_x86_extension.cache_clear()
+    try:
+        assert load_x86_extension() is None
+        qw = quantize(torch.randn(64, 256), 4, 128, sym=True)
+        assert select_kernel(qw, torch.bfloat16, "cpu").name != "x86-vnni"
+        x = torch.randn(2, 8)
+        assert torch.equal(fused.silu_and_mul(x), fused.reference_silu_and_mul(x))
+    finally:
+        monkeypatch.delenv("FASTDRAFT_DISABLE_CPU_KERNELS")
+        load_x86_extension.cache_clear()
+    assert load_x86_extension() is not None
