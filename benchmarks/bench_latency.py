@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,31 +61,57 @@ def weight_bytes_per_token(model: torch.nn.Module, embed: torch.Tensor, lm_head:
                if p.data_ptr() != embed.data_ptr() or embed.data_ptr() == lm_head.data_ptr())
 
 
-def timed_runs(stream: TokenStream, prompt_ids: list[int], new_tokens: int, repeats: int) -> dict:
-    """Run ``stream`` ``repeats`` times after a short warm-up; medians of the per-run figures."""
-    for _ in stream(prompt_ids[:32], 4):  # warm-up: first-call allocations, kernel selection
-        pass
-    runs = []
-    for _ in range(repeats):
-        tokens, latencies = [], []
-        last = time.perf_counter()
-        for token in stream(prompt_ids, new_tokens):
-            now = time.perf_counter()
-            latencies.append(now - last)
-            last = now
-            tokens.append(token)
-        assert len(tokens) == new_tokens, f"got {len(tokens)} tokens, expected {new_tokens}"
-        ttft, decode = latencies[0], latencies[1:]
-        runs.append({"ttft_s": ttft, "token_latency_s": statistics.median(decode),
-                     "p90_token_latency_s": statistics.quantiles(decode, n=10)[-1],
-                     "decode_tok_s": len(decode) / sum(decode), "tokens": tokens})
-    med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "token_latency_s", "decode_tok_s")}
-    return {**med, "prefill_tok_s": len(prompt_ids) / med["ttft_s"], "tokens": runs[0]["tokens"],
-            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
+@dataclass
+class System:
+    """One system under test: its token stream and the weight bytes one decode step reads."""
+
+    stream: TokenStream
+    weight_bytes: int
+    extra: dict = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
 
 
-def bench_fastdraft(name: str, dtype: str, prompt_ids: list[int], args: argparse.Namespace,
-                    quant: str | None = None) -> dict:
+def one_run(stream: TokenStream, prompt_ids: list[int], new_tokens: int) -> dict:
+    tokens, latencies = [], []
+    last = time.perf_counter()
+    for token in stream(prompt_ids, new_tokens):
+        now = time.perf_counter()
+        latencies.append(now - last)
+        last = now
+        tokens.append(token)
+    assert len(tokens) == new_tokens, f"got {len(tokens)} tokens, expected {new_tokens}"
+    ttft, decode = latencies[0], latencies[1:]
+    return {"ttft_s": ttft, "token_latency_s": statistics.median(decode),
+            "p90_token_latency_s": statistics.quantiles(decode, n=10)[-1],
+            "decode_tok_s": len(decode) / sum(decode), "tokens": tokens}
+
+
+def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: argparse.Namespace) -> dict:
+    """``args.repeats`` rounds; each round runs every system once, right after measuring the
+    memory bandwidth, so each system is compared with the bandwidth of its own moment (this
+    VM's bandwidth swings by 2x within minutes). Medians over rounds."""
+    for system in systems.values():  # warm-up: first-call allocations, kernel builds, fusion
+        for _ in system.stream(prompt_ids[:32], 4):
+            pass
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for _ in range(args.repeats):
+        for name, system in systems.items():
+            bandwidth = measure_bandwidth(gib=0.5, repeats=5)
+            runs[name].append({**one_run(system.stream, prompt_ids, args.new_tokens), "bandwidth": bandwidth})
+            print(f"  {name}: {runs[name][-1]['token_latency_s'] * 1e3:.1f} ms/token at "
+                  f"{bandwidth / 1e9:.1f} GB/s", flush=True)
+    results = {}
+    for name, system in systems.items():
+        rs = runs[name]
+        med = {k: statistics.median(r[k] for r in rs)
+               for k in ("ttft_s", "token_latency_s", "decode_tok_s", "bandwidth")}
+        results[name] = {**med, "prefill_tok_s": len(prompt_ids) / med["ttft_s"], "tokens": rs[0]["tokens"],
+                         "weight_bytes": system.weight_bytes, **system.extra,
+                         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
+    return results
+
+
+def setup_fastdraft(name: str, dtype: str, quant: str | None = None) -> System:
     lm = load_model(name, dtype=dtype)
     model = lm.model
     if quant is not None:  # weight-only quantization (RTN: speed does not depend on the method)
@@ -98,13 +125,10 @@ def bench_fastdraft(name: str, dtype: str, prompt_ids: list[int], args: argparse
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)
         return generate_token_ids(model, ids, params, cache, lm.config.eos_token_ids)
 
-    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
-    result["weight_bytes"] = model.decode_weight_bytes()
-    del lm, model, cache
-    return result
+    return System(stream, model.decode_weight_bytes())
 
 
-def bench_transformers(model_dir: Path, dtype: str, prompt_ids: list[int], args: argparse.Namespace) -> dict:
+def setup_transformers(model_dir: Path, dtype: str) -> System:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).eval()
@@ -120,11 +144,8 @@ def bench_transformers(model_dir: Path, dtype: str, prompt_ids: list[int], args:
             if step < n - 1:
                 out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
 
-    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
-    result["weight_bytes"] = weight_bytes_per_token(
-        model, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    del model
-    return result
+    return System(stream, weight_bytes_per_token(model, model.get_input_embeddings().weight,
+                                                 model.get_output_embeddings().weight))
 
 
 def original_gguf(name: str) -> Path:
@@ -145,7 +166,7 @@ def gguf_bytes_per_token(path: Path) -> int:
     return sum(sizes.values())
 
 
-def bench_llama_cpp(name: str, prompt_ids: list[int], args: argparse.Namespace) -> dict:
+def setup_llama_cpp(name: str, args: argparse.Namespace) -> System:
     from llama_cpp import Llama
 
     path = original_gguf(name)
@@ -161,12 +182,7 @@ def bench_llama_cpp(name: str, prompt_ids: list[int], args: argparse.Namespace) 
             if step < n - 1:
                 llm.eval([token])
 
-    result = timed_runs(stream, prompt_ids, args.new_tokens, args.repeats)
-    result["weight_bytes"] = gguf_bytes_per_token(path)
-    result["gguf"] = str(path)
-    llm.close()
-    del llm
-    return result
+    return System(stream, gguf_bytes_per_token(path), {"gguf": str(path)}, llm.close)
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -175,27 +191,29 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(a), 1)
 
 
-def print_table(name: str, results: dict, bandwidth: float, num_prompt: int) -> None:
-    print(f"\n### {name}  (prompt {num_prompt} tok, measured read bandwidth {bandwidth / 1e9:.1f} GB/s)\n")
+def print_table(name: str, results: dict, num_prompt: int) -> None:
+    print(f"\n### {name}  (prompt {num_prompt} tok)\n")
     print("| system | prefill tok/s | TTFT ms | decode ms/token (median) | decode tok/s "
-          "| weight MB/token | achieved GB/s | % of measured BW |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| weight MB/token | achieved GB/s | measured BW GB/s | % of measured BW |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for system, r in results.items():
         if isinstance(r, str):
-            print(f"| {system} | {r} | | | | | | |")
+            print(f"| {system} | {r} | | | | | | | |")
             continue
         gbs = r["weight_bytes"] / r["token_latency_s"]
-        r["achieved_gb_s"], r["bandwidth_fraction"] = gbs / 1e9, gbs / bandwidth
+        r["achieved_gb_s"], r["bandwidth_fraction"] = gbs / 1e9, gbs / r["bandwidth"]
         print(f"| {system} | {r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1e3:.0f} | "
               f"{r['token_latency_s'] * 1e3:.1f} | {r['decode_tok_s']:.2f} | {r['weight_bytes'] / 1e6:.0f} | "
-              f"{gbs / 1e9:.1f} | {100 * gbs / bandwidth:.0f}% |")
+              f"{gbs / 1e9:.1f} | {r['bandwidth'] / 1e9:.1f} | {100 * gbs / r['bandwidth']:.0f}% |")
     print()
     ours = [s for s in results if s.startswith("fastdraft") and isinstance(results[s], dict)]
     for system in ours:
         for other in ("transformers", "llama.cpp", "fastdraft"):
             if other != system and isinstance(results.get(other), dict):
-                ratio = results[other]["token_latency_s"] / results[system]["token_latency_s"]
-                print(f"{system} decode speedup vs {other} (median latency ratio): {ratio:.2f}x")
+                a, b = results[system], results[other]
+                print(f"{system} vs {other}: decode {b['token_latency_s'] / a['token_latency_s']:.2f}x "
+                      f"(median latency ratio), {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tokens/s, "
+                      f"prefill {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x")
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
@@ -204,33 +222,36 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     prompt_ids = Tokenizer(model_dir).encode(text, add_special_tokens=False)[:args.prompt_tokens]
     if len(prompt_ids) != args.prompt_tokens:
         raise SystemExit(f"{os.__file__} has only {len(prompt_ids)} tokens")
-    bandwidth = measure_bandwidth()
-    systems: dict[str, Callable[[], dict]] = {}
+    setups: dict[str, Callable[[], System]] = {}
     if not args.no_dense:
-        systems["fastdraft"] = lambda: bench_fastdraft(name, args.dtype, prompt_ids, args)
+        setups["fastdraft"] = lambda: setup_fastdraft(name, args.dtype)
     for spec in args.quant:
         from fastdraft.quant.config import parse_quant_spec
 
-        label = f"fastdraft {parse_quant_spec(spec).label}"
-        systems[label] = lambda spec=spec: bench_fastdraft(name, args.dtype, prompt_ids, args, quant=spec)
+        setups[f"fastdraft {parse_quant_spec(spec).label}"] = lambda spec=spec: setup_fastdraft(name, args.dtype, spec)
     if not args.no_hf:
-        systems["transformers"] = lambda: bench_transformers(model_dir, args.dtype, prompt_ids, args)
+        setups["transformers"] = lambda: setup_transformers(model_dir, args.dtype)
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
-            systems["llama.cpp"] = lambda: bench_llama_cpp(name, prompt_ids, args)
+            setups["llama.cpp"] = lambda: setup_llama_cpp(name, args)
         except ImportError:
             print("llama_cpp is not importable: skipping llama.cpp")
     results: dict[str, dict | str] = {}
-    for system, run in systems.items():
-        print(f"[{name}] {system} ...", flush=True)
+    systems: dict[str, System] = {}
+    for system, setup in setups.items():
+        print(f"[{name}] loading {system} ...", flush=True)
         try:
-            results[system] = run()
+            systems[system] = setup()
         except Exception as exc:  # one failing system must not lose the others' figures
             results[system] = f"failed: {type(exc).__name__}: {exc}"
-        gc.collect()
-    print_table(name, results, bandwidth, len(prompt_ids))
-    record = {"bandwidth_gb_s": bandwidth / 1e9, "prompt_source": os.__file__,
+    results.update(run_interleaved(systems, prompt_ids, args))
+    for system in systems.values():
+        system.close()
+    systems.clear()
+    gc.collect()
+    print_table(name, results, len(prompt_ids))
+    record = {"prompt_source": os.__file__,
               "prompt_ids": prompt_ids, "systems": results}
     ours, hf = results.get("fastdraft"), results.get("transformers")
     if isinstance(ours, dict) and isinstance(hf, dict):
@@ -248,7 +269,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per system; medians are reported")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds; each runs every system once, interleaved; medians are reported")
     parser.add_argument("--quant", action="append", default=None,
                         help="also run fastdraft quantized with this spec (repeatable; default "
                              "method=rtn,group_size=128; pass 'none' to skip)")

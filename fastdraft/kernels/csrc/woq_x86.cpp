@@ -211,16 +211,17 @@ void gemm(const Activations& a, const uint8_t* w, const at::Half* s, const uint8
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   const int64_t tile_bytes = a.k_pad * BITS / 8 * kTile;
   const int64_t bpg = group / block;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const __mmask16 mask = tail_mask(n - t * kTile);
-      const uint8_t* zt = ASYM ? z + t * a.num_groups * kTile : nullptr;
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - m0));
-        tile_rows<BITS, ASYM>(rows, w + t * tile_bytes, s + t * a.num_groups * kTile, zt, zc, a, m0, block, bpg,
-                              out + t * kTile, n, mask);
-      }
+  auto run_tile = [&](int64_t t) {
+    const __mmask16 mask = tail_mask(n - t * kTile);
+    const uint8_t* zt = ASYM ? z + t * a.num_groups * kTile : nullptr;
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - m0));
+      tile_rows<BITS, ASYM>(rows, w + t * tile_bytes, s + t * a.num_groups * kTile, zt, zc, a, m0, block, bpg,
+                            out + t * kTile, n, mask);
     }
+  };
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run_tile(t);
   });
 }
 
