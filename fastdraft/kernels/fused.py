@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.layers.rotary import apply_rotary
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,11 +55,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., tokens, heads, head_dim], cos/sin [..., tokens, head_dim] (rotate-half convention)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [batch, tokens, heads, head_dim], cos/sin [batch, tokens, head_dim] (rotate-half convention)."""
+    return apply_rotary(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,8 +65,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     ``x`` may be a column slice of a wider row (e.g. the q part of a fused qkv projection)."""
     ext = _extension_for(x, cos, sin)
     batch, tokens, heads, head_dim = x.shape
-    rows = x.reshape(batch * tokens, heads * head_dim) if ext is not None else None
-    if ext is None or rows.stride(1) != 1 or head_dim % 2:
+    if ext is None or head_dim % 2:
+        return reference_rotary(x, cos, sin)
+    rows = x.reshape(batch * tokens, heads * head_dim)
+    if rows.stride(1) != 1:
         return reference_rotary(x, cos, sin)
     cos2, sin2 = cos.reshape(batch * tokens, head_dim), sin.reshape(batch * tokens, head_dim)
     out = ext.rotary(rows, cos2.contiguous(), sin2.contiguous(), heads, head_dim)

@@ -49,7 +49,7 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
         return None
     parts = [lin.quantized_weight for lin in linears]
     qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                         None if first.quantized_weight.zeros is None else torch.cat([p.zeros for p in parts]),
+                         None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
                          first.bits, first.group_size, first.in_features)
     from fastdraft.kernels import kernel_class
 

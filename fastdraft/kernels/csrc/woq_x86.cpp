@@ -276,7 +276,7 @@ namespace {
 // Row n of one tile, 16 chunks at a time, as 128 (INT4) or 64 (INT8) consecutive uint8 values.
 template <typename T>
 void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, int64_t k,
-                  int64_t k_pad, int64_t group, int64_t num_groups, int64_t rows, T* out) {
+                  int64_t k_pad, int64_t group, int64_t rows, T* out) {
   const int64_t chunk_k = bits == 4 ? 8 : 4;
   const int64_t num_chunks = k_pad / chunk_k;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -314,7 +314,6 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, const uint8
       }
     }
   }
-  (void)num_groups;
 }
 
 }  // namespace
@@ -339,10 +338,10 @@ torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::
       const at::Half* s = scales.data_ptr<at::Half>() + t * num_groups * kTile;
       const uint8_t* z = asym ? zeros.data_ptr<uint8_t>() + t * num_groups * kTile : nullptr;
       if (dtype == at::kFloat)
-        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, num_groups, rows,
+        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, rows,
                      out.data_ptr<float>() + t * kTile * k);
       else
-        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, num_groups, rows,
+        dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, rows,
                      out.data_ptr<at::BFloat16>() + t * kTile * k);
     }
   });
