@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq_x86.cpp", "fused_x86.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq_x86.cpp", "fused_x86.cpp", "decoder_x86.cpp")]
 # Every instruction the kernels use; the build never targets the build machine (-march=native)
 # so that a cache shared between machines stays valid.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")

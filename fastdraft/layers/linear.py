@@ -27,7 +27,20 @@ def _concat_bias(linears: list[nn.Module]) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears)])
 
 
-def _build_dense(linears: list[nn.Linear]):
+class FusedLinear:
+    """The fused matmul: a dense ``weight`` [sum N, K] or a weight-only ``kernel``, plus ``bias``."""
+
+    def __init__(self, weight: torch.Tensor | None = None, kernel=None, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.kernel, self.bias = weight, kernel, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
+
+
+def _build_dense(linears: list[nn.Linear]) -> FusedLinear | None:
     weights = [lin.weight for lin in linears]
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return None
@@ -37,11 +50,10 @@ def _build_dense(linears: list[nn.Linear]):
         rows = lin.weight.shape[0]
         lin.weight.data = fused[offset:offset + rows]
         offset += rows
-    bias = _concat_bias(linears)
-    return lambda x: F.linear(x, fused, bias)
+    return FusedLinear(weight=fused, bias=_concat_bias(linears))
 
 
-def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.device):
+def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.device) -> FusedLinear | None:
     first = linears[0]
     signature = {(lin.bits, lin.group_size, lin.in_features, hasattr(lin, "qzeros"), lin.kernel_name)
                  for lin in linears}
@@ -56,12 +68,27 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
     cls = kernel_class(qw, dtype, device)
     if cls.capabilities.priority <= 0:  # only the dense reference: fusing would copy weights
         return None
-    kernel = cls(qw, dtype, device)
     bias = _concat_bias(linears)
-    if bias is None:
-        return kernel
-    bias = bias.to(dtype)
-    return lambda x: kernel(x) + bias
+    return FusedLinear(kernel=cls(qw, dtype, device), bias=None if bias is None else bias.to(dtype))
+
+
+def fused_linear(owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype,
+                 device: torch.device) -> FusedLinear | None:
+    """The fused matmul of ``owner``'s linears ``names`` for activations of ``dtype`` on
+    ``device``, built on first use; ``None`` when they cannot be fused (mixed formats)."""
+    linears = [getattr(owner, name) for name in names]
+    key = (tuple(id(lin) for lin in linears), dtype, device)
+    cache = owner.__dict__.setdefault(_CACHE_ATTR, {})
+    entry = cache.get(names)
+    if entry is None or entry[0] != key:
+        if all(type(lin) is nn.Linear for lin in linears):
+            fused = _build_dense(linears)
+        elif all(isinstance(lin, QuantLinear) for lin in linears):
+            fused = _build_quant(linears, dtype, device)
+        else:
+            fused = None
+        entry = cache[names] = (key, fused)
+    return entry[1]
 
 
 def fused_linears(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
@@ -70,16 +97,5 @@ def fused_linears(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> 
     linears = [getattr(owner, name) for name in names]
     if any(lin._forward_pre_hooks or lin._forward_hooks for lin in linears):
         return None  # someone observes the individual calls (e.g. GPTQ/AWQ calibration)
-    key = (tuple(id(lin) for lin in linears), x.dtype, x.device)
-    cache = owner.__dict__.setdefault(_CACHE_ATTR, {})
-    entry = cache.get(names)
-    if entry is None or entry[0] != key:
-        if all(type(lin) is nn.Linear for lin in linears):
-            fn = _build_dense(linears)
-        elif all(isinstance(lin, QuantLinear) for lin in linears):
-            fn = _build_quant(linears, x.dtype, x.device)
-        else:
-            fn = None
-        entry = cache[names] = (key, fn)
-    fn = entry[1]
-    return None if fn is None else fn(x)
+    fused = fused_linear(owner, names, x.dtype, x.device)
+    return None if fused is None else fused(x)

@@ -20,6 +20,7 @@ from fastdraft.layers.attention import cached_attention
 from fastdraft.layers.linear import fused_linears
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.rotary import RotaryEmbedding
+from fastdraft.models.fused_decoder import fused_decoder_for
 
 
 # Rows small matmuls are padded to when kernels are not row-invariant: one decode step and a
@@ -104,11 +105,21 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # Decode/verification steps run all layers in one C++ call where possible
+        # (models/fused_decoder.py); False forces the module path, its reference twin.
+        self.is_fused_decode_enabled = True
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 min_rows: int = 1) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
         num_tokens = hidden_states.shape[1]
+        fused = None
+        if self.is_fused_decode_enabled:
+            fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
+        if fused is not None:
+            cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
+            hidden_states = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta)
+            return self.norm(hidden_states.unsqueeze(0))
         if num_tokens < min_rows:  # zero rows stay finite through RMSNorm and are dropped below
             hidden_states = F.pad(hidden_states, (0, 0, 0, min_rows - num_tokens))
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)

@@ -353,6 +353,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+// decoder_x86.cpp
+void bind_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
@@ -361,4 +363,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding (rotate-half convention) of [T, heads * head_dim] rows");
   m.def("woq_linear", &woq_linear, "INT4/INT8 weight-only linear (AVX-512 VNNI)");
   m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT8 weight");
+  bind_decoder(m);
 }

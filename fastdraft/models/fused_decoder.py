@@ -1,0 +1,128 @@
+"""Decode and verification steps of a Llama-family model as one C++ call.
+
+A batch-1 decode step is a few weight-bound matmuls per layer plus ~15 small ops; run from
+Python, those small ops cost about as much as the elementwise work itself. For forward passes
+that append a few tokens (``<= MAX_FUSED_TOKENS``) to one cached sequence -- plain decoding
+and speculative verification -- :class:`FusedDecoder` runs all decoder layers in
+``csrc/decoder_x86.cpp``, which chains the very kernels the module path calls, in the same
+order and dtypes. The two paths give bit-identical hidden states (tested); the module path in
+``llama.py`` is the reference twin and serves everything else (prefill, batches, hooks, CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.x86 import X86WoqKernel
+from fastdraft.layers.linear import FusedLinear, fused_linear
+from fastdraft.quant.linear import QuantLinear
+
+# Tokens per pass that the module path's attention also runs one query token at a time
+# (see layers.attention.cached_attention): the fused path must make the same calls.
+MAX_FUSED_TOKENS = 8
+_CACHE_ATTR = "_fused_decoder"
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
+               min_rows: int):
+    """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
+    if linear is None or (isinstance(linear, nn.Module) and _has_hooks(linear)):
+        return None
+    if type(linear) is nn.Linear:
+        linear = FusedLinear(weight=linear.weight.detach(),
+                             bias=None if linear.bias is None else linear.bias.detach())
+    elif isinstance(linear, QuantLinear):
+        bias = None if linear.bias is None else linear.bias.detach()
+        linear = FusedLinear(kernel=linear.kernel_for(dtype, device), bias=bias)
+    elif not isinstance(linear, FusedLinear):
+        return None
+    if linear.bias is not None and linear.bias.dtype != dtype:
+        return None
+    if linear.kernel is None:
+        if linear.weight.dtype != dtype:
+            return None
+        return ext.dense_linear(linear.weight, linear.bias, min_rows)
+    kernel = linear.kernel
+    if not isinstance(kernel, X86WoqKernel) or kernel.large_m <= MAX_FUSED_TOKENS:
+        return None
+    packed, scales, zeros, bits, out_features = kernel._args
+    k_pad, block, group, zero_const = kernel._geometry
+    return ext.woq_linear_op(packed, scales, zeros, bits, out_features, k_pad, block, group, zero_const,
+                             linear.bias)
+
+
+def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.head_dim % 16 or attn.head_dim > 256 or attn.num_heads // attn.num_kv_heads > 64:
+        return None  # outside decode_attention's shapes
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(_has_hooks(m) for m in (layer, attn, mlp, *norms)):
+        return None
+    if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
+        return None
+    qkv_names, gate_up_names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    if any(_has_hooks(getattr(attn, n)) for n in qkv_names) or any(_has_hooks(getattr(mlp, n)) for n in gate_up_names):
+        return None
+    ops = [_linear_op(ext, fused_linear(attn, qkv_names, dtype, device), dtype, device, min_rows),
+           _linear_op(ext, attn.o_proj, dtype, device, min_rows),
+           _linear_op(ext, fused_linear(mlp, gate_up_names, dtype, device), dtype, device, min_rows),
+           _linear_op(ext, mlp.down_proj, dtype, device, min_rows)]
+    if any(op is None for op in ops):
+        return None
+    return ext.DecoderLayer(norms[0].weight.detach(), norms[1].weight.detach(), norms[0].eps, *ops,
+                            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+
+
+def _fingerprint(layers: nn.ModuleList) -> tuple:
+    """Identity of every submodule the C++ layers were built from: changes when a module is
+    swapped (e.g. quantized in place), which must rebuild the C++ side."""
+    return tuple((tuple(map(id, layer._modules.values())), tuple(map(id, layer.self_attn._modules.values())),
+                  tuple(map(id, layer.mlp._modules.values()))) for layer in layers)
+
+
+class FusedDecoder:
+    """All decoder layers of one model, built for one activation dtype and ``min_rows``."""
+
+    def __init__(self, ext, layer_ops: list) -> None:
+        self.ext = ext
+        self.layer_ops = layer_ops
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
+              min_rows: int) -> "FusedDecoder | None":
+        ext = load_x86_extension()
+        if ext is None:
+            return None
+        ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in layers]
+        return None if any(op is None for op in ops) else cls(ext, ops)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """hidden_states [num_tokens, hidden_size], cos/sin [num_tokens, head_dim] of one
+        sequence appended at ``meta.contiguous_start`` -> hidden states after the last layer."""
+        slot = int(meta.slot_ids[0])
+        return self.ext.decoder_forward(self.layer_ops, hidden_states, cos, sin, kv_cache.k[:, slot],
+                                        kv_cache.v[:, slot], meta.contiguous_start)
+
+
+def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, hidden_states: torch.Tensor, kv_cache: KVCache,
+                      meta: AttentionMetadata, min_rows: int) -> FusedDecoder | None:
+    """The (cached) fused decoder of ``owner`` if this forward pass can use it, else ``None``."""
+    batch, num_tokens = meta.positions.shape
+    if (batch != 1 or meta.contiguous_start is None or meta.is_prefill or num_tokens > MAX_FUSED_TOKENS
+            or hidden_states.device.type != "cpu" or hidden_states.dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.k.dtype != hidden_states.dtype or torch.is_grad_enabled()):
+        return None
+    key = (_fingerprint(layers), hidden_states.dtype, min_rows)
+    entry = owner.__dict__.get(_CACHE_ATTR)
+    if entry is None or entry[0] != key:
+        entry = owner.__dict__[_CACHE_ATTR] = (key, FusedDecoder.build(layers, hidden_states.dtype,
+                                                                      hidden_states.device, min_rows))
+    return entry[1]

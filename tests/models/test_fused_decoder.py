@@ -1,0 +1,87 @@
+"""The fused C++ decoder (models/fused_decoder.py) against its twin, the module path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, fused_decoder_for
+from fastdraft.models.loader import load_model
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.linear import exact_min_rows
+from fastdraft.quant.quantizer import quantize_model
+
+pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
+
+QUANTS = {
+    "dense": None,
+    "int4-g32-sym": QuantConfig(method="rtn", group_size=32, sym=True),
+    "int4-channel-asym": QuantConfig(method="rtn", group_size=-1, sym=False),
+}
+
+
+def _model(tiny_models, variant: str, dtype: str, quant: str):
+    model = load_model(tiny_models.dir(variant), dtype=dtype).model
+    if QUANTS[quant] is not None:
+        quantize_model(model, QUANTS[quant], show_progress=False)
+    model.min_rows = exact_min_rows(model)
+    return model
+
+
+def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int]) -> list[torch.Tensor]:
+    """Prefill a prompt, then append ``chunks`` of tokens; hidden states of every chunk."""
+    model.model.is_fused_decode_enabled = is_fused
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    out = []
+    with torch.inference_mode():
+        meta = cache.append(prompt_len)
+        model(torch.randint(0, vocab, (1, prompt_len), generator=gen), cache, meta)
+        for n in chunks:
+            meta = cache.append(n)
+            out.append(model(torch.randint(0, vocab, (1, n), generator=gen), cache, meta))
+            if n > 1:  # a verification that rejected its last token
+                cache.truncate(cache.seq_lens[0] - 1)
+    return out
+
+
+@pytest.mark.parametrize("quant", list(QUANTS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
+    model = _model(tiny_models, variant, dtype, quant)
+    chunks = [1, 1, 5, 1, 3, MAX_FUSED_TOKENS, 1]
+    fused = _steps(model, True, 7, chunks)
+    assert model.model.__dict__["_fused_decoder"][1] is not None, "the fused path was not taken"
+    reference = _steps(model, False, 7, chunks)
+    for got, want in zip(fused, reference):
+        assert torch.equal(got, want)
+
+
+def test_fused_path_only_for_decode_shapes(tiny_models):
+    model = _model(tiny_models, "llama", "fp32", "dense")
+    cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
+    hidden = torch.zeros(1, 4, model.config.hidden_size)
+    with torch.inference_mode():
+        assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is None  # prefill
+        assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is not None
+        too_many = torch.zeros(1, MAX_FUSED_TOKENS + 1, model.config.hidden_size)
+        assert fused_decoder_for(model.model, model.model.layers, too_many, cache,
+                                 cache.append(MAX_FUSED_TOKENS + 1), 1) is None
+    # Autograd needs the module path.
+    assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is None
+
+
+def test_fused_decoder_rebuilds_after_quantization(tiny_models):
+    model = _model(tiny_models, "llama", "fp32", "dense")
+    before = _steps(model, True, 5, [1])
+    first = model.model.__dict__["_fused_decoder"]
+    quantize_model(model, QUANTS["int4-g32-sym"], show_progress=False)
+    model.min_rows = exact_min_rows(model)
+    after = _steps(model, True, 5, [1])
+    assert model.model.__dict__["_fused_decoder"] is not first
+    assert not torch.equal(before[0], after[0])
+    assert torch.equal(after[0], _steps(model, False, 5, [1])[0])
