@@ -37,24 +37,35 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids
 
 
-def run(generator: TextGenerator, ids: list[int], params: SamplingParams, repeats: int) -> dict:
-    generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    runs = []
+def one_run(generator: TextGenerator, ids: list[int], params: SamplingParams) -> dict:
+    start = time.perf_counter()
+    out = generator.generate(ids, params)
+    total = time.perf_counter() - start
+    m = out.metrics
+    return {"tokens": out.token_ids, "ttft_s": m.ttft_s,
+            "ms_per_token": (total - m.ttft_s) / max(len(out.token_ids) - 1, 1) * 1e3, "spec": m.spec}
+
+
+def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params: SamplingParams,
+             repeats: int) -> tuple[dict, dict]:
+    """Plain and speculative runs alternated ``repeats`` times (this machine's bandwidth drifts
+    within minutes, so back-to-back blocks would compare different machines); medians."""
+    for generator in (plain, spec):
+        generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    runs: dict[str, list[dict]] = {"plain": [], "spec": []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = generator.generate(ids, params)
-        total = time.perf_counter() - start
-        m = out.metrics
-        decode_s = total - m.ttft_s
-        runs.append({"tokens": out.token_ids, "ttft_s": m.ttft_s,
-                     "ms_per_token": decode_s / max(len(out.token_ids) - 1, 1) * 1e3, "spec": m.spec})
-    best = {"ms_per_token": statistics.median(r["ms_per_token"] for r in runs),
-            "ttft_s": statistics.median(r["ttft_s"] for r in runs), "tokens": runs[0]["tokens"]}
-    spec = runs[0]["spec"]
-    if spec is not None:
-        best.update(acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
-                    per_position=spec.per_position_acceptance, num_plain_steps=spec.num_plain_steps)
-    return best
+        runs["plain"].append(one_run(plain, ids, params))
+        runs["spec"].append(one_run(spec, ids, params))
+    summary = {}
+    for name, rs in runs.items():
+        best = {"ms_per_token": statistics.median(r["ms_per_token"] for r in rs),
+                "ttft_s": statistics.median(r["ttft_s"] for r in rs), "tokens": rs[0]["tokens"]}
+        stats = rs[0]["spec"]
+        if stats is not None:
+            best.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+                        per_position=stats.per_position_acceptance, num_plain_steps=stats.num_plain_steps)
+        summary[name] = best
+    return summary["plain"], summary["spec"]
 
 
 def scenario(name: str, target_name: str, target_low_bit: str | None, spec: SpeculativeConfig,
@@ -67,8 +78,7 @@ def scenario(name: str, target_name: str, target_low_bit: str | None, spec: Spec
     rows = []
     for temperature in (0.0, 0.7):
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=0, ignore_eos=True)
-        base = run(plain, ids, params, args.repeats)
-        fast = run(spec_gen, ids, params, args.repeats)
+        base, fast = run_pair(plain, spec_gen, ids, params, args.repeats)
         row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'})", "draft": spec.draft,
                "temperature": temperature, "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
@@ -98,7 +108,8 @@ def main() -> None:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="plain and speculative runs, alternated; medians are reported")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()

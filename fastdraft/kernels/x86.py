@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import cpu_flags, load_x86_extension
+from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.quant.format import QuantizedWeight, unpack_int4
 
 TILE = 16
@@ -99,7 +100,8 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
     scales = per_group(qw.scales.to(torch.float16), 0.0)
     zeros = per_group(qw.zeros, 0) if qw.zeros is not None else torch.empty(0, dtype=torch.uint8)
     zero_const = 128.0 if qw.bits == 8 else 8.0
-    return PackedWeight(packed, scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
+    # Decode streams ``packed`` once per token: keep it on huge pages (see kernels.memory).
+    return PackedWeight(huge_page_copy(packed), scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
 
 
 def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
