@@ -109,7 +109,8 @@ def test_fused_ops_match_their_twins(dtype):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030), (2, 3, 1, 64, 5), (1, 1, 9, 32, 600), (1, 2, 14, 64, 257)])
+@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030), (2, 3, 1, 64, 5), (1, 1, 9, 32, 600), (1, 2, 14, 64, 257),
+                                   (1, 2, 3, 48, 37), (1, 1, 2, 16, 300), (1, 1, 4, 80, 16)])
 def test_decode_attention_matches_sdpa(dtype, tol, shape):
     b, h, r, d, length = shape
     torch.manual_seed(length)

@@ -1,0 +1,22 @@
+"""Huge-page placement of streamed weights (kernels/memory.py): a copy, never a change."""
+
+import torch
+
+from fastdraft.kernels.memory import REGION_BYTES, huge_page_copy
+
+
+def test_copies_are_equal_contiguous_and_independent():
+    for t in (torch.randn(3, 5), torch.randint(0, 255, (1024, 700), dtype=torch.uint8), torch.randn(4, 6)[:, ::2]):
+        out = huge_page_copy(t)
+        assert torch.equal(out, t) and out.is_contiguous() and out.dtype == t.dtype
+        assert out.data_ptr() != t.data_ptr()
+        out.zero_()  # writable, and does not alias the source
+        assert not torch.equal(out, t) or not t.any()
+
+
+def test_small_tensors_share_regions_and_large_ones_get_their_own():
+    small = [huge_page_copy(torch.full((1000,), float(i))) for i in range(8)]
+    for i, t in enumerate(small):  # neighbours in one region never overlap
+        assert torch.all(t == i)
+    large = huge_page_copy(torch.ones(REGION_BYTES // 2, dtype=torch.uint8))
+    assert int(large.sum()) == REGION_BYTES // 2
