@@ -1,10 +1,13 @@
 """AWQ (Lin et al., 2023): activation-aware weight quantization.
 
 Input channels that see large activations matter most. For each group of linears that share
-an input, search a per-channel scale ``s = mean|x|^alpha`` (normalized) that minimizes the
-output error of ``Q(W * s) @ (x / s)``; fold ``1 / s`` into the op that produces ``x`` (an
-RMSNorm weight or the previous linear's rows) so the model computes the same function, then
-search a per-group clipping range of the scaled weights. Finally RTN-quantize.
+an input, search a per-channel scale ``s = mean|x|^alpha / mean|w|^(1 - alpha)`` (normalized;
+AutoAWQ's "duo" scaling, with ``mean|w|`` over the group-normalized weight magnitudes) that
+minimizes the output error of ``Q(W * s) @ (x / s)``; fold ``1 / s`` into the op that produces
+``x`` (an RMSNorm weight or the previous linear's rows) so the model computes the same
+function. Optionally (``QuantConfig.awq_clip``) search a per-group clipping range of the scaled
+weights. Finally RTN-quantize. ``alpha = 0`` with ``mean|w| = 1`` is plain RTN, so on the
+calibration rows the result is never worse than RTN.
 """
 
 from __future__ import annotations
@@ -34,11 +37,17 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     x = x.float()
     x_mean = x.abs().mean(dim=0)  # [K]
     w_cat = torch.cat([w.float() for w in weights], dim=0)  # [sum N_i, K]
+    n, k = w_cat.shape
+    g = k if group_size == -1 else group_size
+    w_groups = w_cat.abs().view(n, k // g, g)
+    w_mean = (w_groups / w_groups.amax(dim=-1, keepdim=True).clamp(min=1e-8)).view(n, k).mean(dim=0)  # [K]
     reference = x @ w_cat.t()
-    best_err, best_scales = float("inf"), torch.ones_like(x_mean)
-    for step in range(_NUM_GRID):
+    # alpha = 0 with no weight term: plain RTN, the baseline every candidate must beat.
+    best_scales = torch.ones_like(x_mean)
+    best_err = (x @ _fake_quant(w_cat, group_size, sym).t() - reference).pow(2).mean().item()
+    for step in range(1, _NUM_GRID):
         alpha = step / _NUM_GRID
-        scales = x_mean.pow(alpha).clamp(min=1e-4)
+        scales = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         scales = scales / (scales.max() * scales.min()).sqrt()
         w_q = _fake_quant(w_cat * scales, group_size, sym) / scales
         err = (x @ w_q.t() - reference).pow(2).mean().item()

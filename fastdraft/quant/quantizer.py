@@ -130,7 +130,7 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         linear = layer.get_submodule(name)
         weight = linear.weight
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
-        if fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
+        if config.awq_clip and fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
             weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym)
         replace_module(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
 
