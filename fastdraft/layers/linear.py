@@ -72,6 +72,12 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
     return FusedLinear(kernel=cls(qw, dtype, device), bias=None if bias is None else bias.to(dtype))
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether someone observes ``module``'s calls (e.g. GPTQ/AWQ calibration): fused paths
+    that skip its ``forward`` must then step aside."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
 def fused_linear(owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype,
                  device: torch.device) -> FusedLinear | None:
     """The fused matmul of ``owner``'s linears ``names`` for activations of ``dtype`` on
@@ -95,7 +101,7 @@ def fused_linears(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> 
     """``cat([owner.<name>(x) for name in names], -1)`` as one matmul, or ``None`` when the
     linears cannot be fused (mixed formats, hooks); the caller then runs them one by one."""
     linears = [getattr(owner, name) for name in names]
-    if any(lin._forward_pre_hooks or lin._forward_hooks for lin in linears):
-        return None  # someone observes the individual calls (e.g. GPTQ/AWQ calibration)
+    if any(has_hooks(lin) for lin in linears):
+        return None
     fused = fused_linear(owner, names, x.dtype, x.device)
     return None if fused is None else fused(x)

@@ -17,7 +17,7 @@ from torch import nn
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel
-from fastdraft.layers.linear import FusedLinear, fused_linear
+from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks
 from fastdraft.quant.linear import QuantLinear
 
 # Tokens per pass that the module path's attention also runs one query token at a time
@@ -26,14 +26,10 @@ MAX_FUSED_TOKENS = 8
 _CACHE_ATTR = "_fused_decoder"
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks)
-
-
 def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
                min_rows: int):
     """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
-    if linear is None or (isinstance(linear, nn.Module) and _has_hooks(linear)):
+    if linear is None or (isinstance(linear, nn.Module) and has_hooks(linear)):
         return None
     if type(linear) is nn.Linear:
         linear = FusedLinear(weight=linear.weight.detach(),
@@ -63,12 +59,12 @@ def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, m
     if attn.head_dim % 16 or attn.head_dim > 256 or attn.num_heads // attn.num_kv_heads > 64:
         return None  # outside decode_attention's shapes
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(_has_hooks(m) for m in (layer, attn, mlp, *norms)):
+    if any(has_hooks(m) for m in (layer, attn, mlp, *norms)):
         return None
     if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
         return None
     qkv_names, gate_up_names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-    if any(_has_hooks(getattr(attn, n)) for n in qkv_names) or any(_has_hooks(getattr(mlp, n)) for n in gate_up_names):
+    if any(has_hooks(getattr(attn, n)) for n in qkv_names) or any(has_hooks(getattr(mlp, n)) for n in gate_up_names):
         return None
     ops = [_linear_op(ext, fused_linear(attn, qkv_names, dtype, device), dtype, device, min_rows),
            _linear_op(ext, attn.o_proj, dtype, device, min_rows),

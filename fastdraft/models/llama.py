@@ -113,16 +113,15 @@ class LlamaModel(nn.Module):
                 min_rows: int = 1) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
         num_tokens = hidden_states.shape[1]
+        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [batch, num_tokens, head_dim]
         fused = None
         if self.is_fused_decode_enabled:
             fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
         if fused is not None:
-            cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
             hidden_states = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta)
             return self.norm(hidden_states.unsqueeze(0))
         if num_tokens < min_rows:  # zero rows stay finite through RMSNorm and are dropped below
             hidden_states = F.pad(hidden_states, (0, 0, 0, min_rows - num_tokens))
-        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, kv_cache, meta)
         return self.norm(hidden_states[:, :num_tokens])

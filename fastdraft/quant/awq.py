@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastdraft.quant.format import dequantize, quantize
+from fastdraft.quant.format import dequantize, quantize, resolve_group_size
 
 _NUM_GRID = 20
 
@@ -38,7 +38,7 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     x_mean = x.abs().mean(dim=0)  # [K]
     w_cat = torch.cat([w.float() for w in weights], dim=0)  # [sum N_i, K]
     n, k = w_cat.shape
-    g = k if group_size == -1 else group_size
+    g = resolve_group_size(group_size, k)
     w_groups = w_cat.abs().view(n, k // g, g)
     w_mean = (w_groups / w_groups.amax(dim=-1, keepdim=True).clamp(min=1e-8)).view(n, k).mean(dim=0)  # [K]
     reference = x @ w_cat.t()
@@ -62,7 +62,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: boo
     """Clip each weight group to the range that minimizes its output error; returns the clipped weight."""
     w = weight.float()
     n, k = w.shape
-    g = k if group_size == -1 else group_size
+    g = resolve_group_size(group_size, k)
     x = even_rows(x.float(), num_rows)
     xg = x.view(x.shape[0], k // g, g)  # [rows, groups, G]
     wg = w.view(n, k // g, g)  # [N, groups, G]

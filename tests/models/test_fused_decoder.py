@@ -10,7 +10,6 @@ from fastdraft.kernels.build import load_x86_extension
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, fused_decoder_for
 from fastdraft.models.loader import load_model
 from fastdraft.quant.config import QuantConfig
-from fastdraft.quant.linear import exact_min_rows
 from fastdraft.quant.quantizer import quantize_model
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
@@ -26,7 +25,6 @@ def _model(tiny_models, variant: str, dtype: str, quant: str):
     model = load_model(tiny_models.dir(variant), dtype=dtype).model
     if QUANTS[quant] is not None:
         quantize_model(model, QUANTS[quant], show_progress=False)
-    model.min_rows = exact_min_rows(model)
     return model
 
 
@@ -80,7 +78,6 @@ def test_fused_decoder_rebuilds_after_quantization(tiny_models):
     before = _steps(model, True, 5, [1])
     first = model.model.__dict__["_fused_decoder"]
     quantize_model(model, QUANTS["int4-g32-sym"], show_progress=False)
-    model.min_rows = exact_min_rows(model)
     after = _steps(model, True, 5, [1])
     assert model.model.__dict__["_fused_decoder"] is not first
     assert not torch.equal(before[0], after[0])
