@@ -75,16 +75,34 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.view(batch, tokens, heads, head_dim)
 
 
-def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+def causal_token_mask(num_rows: int, num_tokens: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """[num_rows, num_keys] bool, True where a row may attend: rows are ``num_tokens`` token-major
+    groups, the last token being key ``num_keys - 1``, and token t sees keys up to
+    ``num_keys - num_tokens + t``."""
+    token = torch.arange(num_rows, device=device) // (num_rows // num_tokens)  # [num_rows]
+    last_key = num_keys - num_tokens + token
+    return torch.arange(num_keys, device=device) <= last_key[:, None]
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Unmasked attention of a few query rows q [B, H, R, D] over k/v [B, H, L, D] (same H:
-    grouped queries are folded into R by the caller). Split over fixed 256-key chunks, so the
-    result does not depend on the thread count."""
+def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                               num_tokens: int = 1) -> torch.Tensor:
+    mask = None if num_tokens == 1 else causal_token_mask(q.shape[2], num_tokens, k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     num_tokens: int = 1) -> torch.Tensor:
+    """Attention of a few query rows q [B, H, R, D] over k/v [B, H, L, D] (same H: grouped
+    queries are folded into R by the caller).
+
+    The rows are ``num_tokens`` new tokens, token-major (``R / num_tokens`` rows each), the
+    last of which is key ``L - 1``; each token sees the keys up to its own (causal). Split over
+    fixed 256-key chunks, so the result does not depend on the thread count, and each row's
+    result is bit-identical to a one-token call over its own prefix."""
+    if num_tokens < 1 or q.shape[2] % num_tokens or num_tokens > k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query rows cannot be {num_tokens} tokens over {k.shape[2]} keys")
     ext = _extension_for(q, k, v)
     if (ext is None or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[2] > 64
             or k.stride(-1) != 1 or v.stride(-1) != 1):
-        return reference_decode_attention(q, k, v, scale)
-    return ext.decode_attention(q, k, v, scale)
+        return reference_decode_attention(q, k, v, scale, num_tokens)
+    return ext.decode_attention(q, k, v, scale, num_tokens)

@@ -49,9 +49,12 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
             group = resolve_group_size(group_size, linear.in_features)
             replace_module(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, bits, group,
                                                     sym, linear.bias is not None))
-    if config.lm_head_bits == 8:
+    head_format = config.head_format()
+    if head_format is not None:
+        bits, group_size, sym = head_format
         head = model.lm_head
-        model.lm_head = QuantLinear.empty(head.in_features, head.out_features, 8, head.in_features, True, False)
+        model.lm_head = QuantLinear.empty(head.in_features, head.out_features, bits,
+                                          resolve_group_size(group_size, head.in_features), sym, False)
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype)

@@ -29,7 +29,9 @@ class QuantConfig:
     """How to quantize a model's linear layers (weight-only).
 
     ``lm_head_bits`` / ``embed_bits`` keep those tensors at 8 bits (INT8 per channel) or 16
-    (unquantized); they are the largest single tensors and the most sensitive.
+    (unquantized); they are the largest single tensors and the most sensitive. ``lm_head_bits=4``
+    quantizes the head like the decoder linears (``group_size``, ``sym``): for drafts, whose
+    head is up to 40% of the bytes they read per token and whose errors only cost acceptance.
     """
 
     method: str = "rtn"
@@ -69,9 +71,10 @@ class QuantConfig:
             raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
         if self.sensitive_bits not in (4, 8):
             raise ValueError(f"sensitive_bits must be 4 or 8, got {self.sensitive_bits}")
-        for name in ("lm_head_bits", "embed_bits"):
-            if getattr(self, name) not in (8, 16):
-                raise ValueError(f"{name} must be 8 or 16, got {getattr(self, name)}")
+        if self.lm_head_bits not in (4, 8, 16):
+            raise ValueError(f"lm_head_bits must be 4, 8 or 16, got {self.lm_head_bits}")
+        if self.embed_bits not in (8, 16):
+            raise ValueError(f"embed_bits must be 8 or 16, got {self.embed_bits}")
         if self.num_calib_samples < 1 or self.calib_seq_len < 8:
             raise ValueError("num_calib_samples must be >= 1 and calib_seq_len >= 8")
 
@@ -85,6 +88,7 @@ class QuantConfig:
         kind = "sym" if self.sym else "asym"
         extra = ("-actorder" if self.act_order else "") + ("-clip" if self.awq_clip else "")
         extra += "-mix8" if self.sensitive_bits == 8 else ""
+        extra += "-head4" if self.lm_head_bits == 4 else ""
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
 
     def layer_format(self, layer_idx: int, num_layers: int, name: str) -> tuple[int, int, bool]:
@@ -92,6 +96,14 @@ class QuantConfig:
         if self.sensitive_bits == 8 and name in SENSITIVE_LINEARS and _q4_k_m_more_bits(layer_idx, num_layers):
             return 8, PER_CHANNEL, True
         return self.bits, self.group_size, self.sym
+
+    def head_format(self) -> tuple[int, int, bool] | None:
+        """(bits, group_size, sym) of the LM head, or None to keep it unquantized."""
+        if self.lm_head_bits == 16:
+            return None
+        if self.lm_head_bits == 8:
+            return 8, PER_CHANNEL, True
+        return 4, self.group_size, self.sym
 
     @classmethod
     def from_low_bit(cls, name: str, group_size: int = 32) -> "QuantConfig":

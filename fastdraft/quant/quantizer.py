@@ -161,9 +161,11 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
 
 
 def _quantize_head_and_embeddings(model: LlamaForCausalLM, config: QuantConfig) -> None:
-    if config.lm_head_bits == 8:
+    head_format = config.head_format()
+    if head_format is not None:
+        bits, group_size, sym = head_format
         head = model.lm_head
-        model.lm_head = _quant_linear(head, quantize(head.weight, 8, PER_CHANNEL, sym=True))
+        model.lm_head = _quant_linear(head, quantize(head.weight, bits, group_size, sym=sym))
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True), embed.weight.dtype)

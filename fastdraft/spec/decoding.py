@@ -80,23 +80,16 @@ class StepCosts:
 
 @torch.inference_mode()
 def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_len: int = 32,
-                       repeats: int = 3) -> StepCosts:
+                       repeats: int = 5) -> StepCosts:
     """Time the passes speculation is made of, once, on scratch caches.
 
     Decoding is bound by reading weights, but a kernel's cost still grows with the number of
     rows it multiplies (a lot for some INT4 kernels), so the costs are measured rather than
-    derived from byte counts."""
+    derived from byte counts. The passes are timed in interleaved rounds and each keeps its
+    fastest time: on a shared machine noise only ever adds time, and interleaving keeps a
+    slow spell from landing on one pass alone."""
 
-    def median_time(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    def pass_time(model: LlamaForCausalLM, num_tokens: int) -> float:
+    def make_pass(model: LlamaForCausalLM, num_tokens: int):
         cache = KVCache.from_config(model.config, context_len + num_tokens, dtype=model.dtype, device=model.device)
         ids = torch.zeros(1, context_len, dtype=torch.long, device=model.device)
         model.compute_logits(model(ids, cache, cache.append(context_len))[:, -1])
@@ -106,12 +99,22 @@ def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
             cache.truncate(context_len)
             model.compute_logits(model(step, cache, cache.append(num_tokens))[0])
 
-        return median_time(run)
+        run()  # warm-up
+        return run
 
-    decode = pass_time(target, 1)
-    verify = [1.0] + [pass_time(target, k + 1) / decode for k in range(1, k_max + 1)]
+    passes = [make_pass(target, k + 1) for k in range(k_max + 1)]  # passes[0] is a plain decode step
     draft_model = getattr(proposer, "model", None)
-    draft = pass_time(draft_model, 1) / decode if draft_model is not None else 0.01
+    if draft_model is not None:
+        passes.append(make_pass(draft_model, 1))
+    best = [float("inf")] * len(passes)
+    for _ in range(repeats):
+        for i, run in enumerate(passes):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    decode = best[0]
+    verify = [t / decode for t in best[:k_max + 1]]
+    draft = best[-1] / decode if draft_model is not None else 0.01
     return StepCosts(draft=draft, verify=verify)
 
 
@@ -135,8 +138,19 @@ class AdaptiveDraftLength:
         self.is_enabled = is_enabled
         self.ema = ema
         self.probe_every = probe_every
-        self.acceptance = 0.7  # optimistic prior: speculate at first
+        # Decayed counts of accepted positions and of positions tested; the prior (0.7, one
+        # trial) is optimistic, so decoding speculates at first.
+        self._num_accepted, self._num_trials = 0.7, 1.0
         self._plain_steps = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that the draft's next token is accepted."""
+        return self._num_accepted / self._num_trials
+
+    @acceptance.setter
+    def acceptance(self, value: float) -> None:
+        self._num_accepted, self._num_trials = value, 1.0
 
     def gain(self, k: int) -> float:
         """Expected tokens per unit of plain-decoding time with ``k`` drafts."""
@@ -154,10 +168,17 @@ class AdaptiveDraftLength:
         return best
 
     def update(self, num_draft: int, num_accepted: int) -> None:
+        """Fold one verification into the per-token acceptance estimate.
+
+        A step tests positions until the first rejection: ``num_accepted`` successes out of
+        ``num_accepted + 1`` trials (out of ``num_draft`` when all pass). The estimate is the
+        ratio of decayed sums of both; ``num_accepted / num_draft`` would count positions
+        after a rejection as failures (a = 0.93 with k = 4 reads 0.86) and drive ``k`` down."""
         if num_draft == 0:
             return
-        observed = num_accepted / num_draft
-        self.acceptance = self.ema * self.acceptance + (1 - self.ema) * observed
+        num_trials = num_accepted + (num_accepted < num_draft)
+        self._num_accepted = self.ema * self._num_accepted + num_accepted
+        self._num_trials = self.ema * self._num_trials + num_trials
 
 
 def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:

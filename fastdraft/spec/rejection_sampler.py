@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdraft.layers.sampler import sample_from_probs
+
 
 @dataclass
 class VerificationResult:
@@ -70,6 +72,6 @@ def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, tar
         dist = residual / total if total > 0 else target_probs[num_accepted]
     else:
         dist = target_probs[num_draft]
-    extra = int(torch.multinomial(dist, 1, generator=generator))
+    extra = int(sample_from_probs(dist, generator))
     output = draft_token_ids[:num_accepted].tolist() + [extra]
     return VerificationResult(output, num_accepted, num_draft)

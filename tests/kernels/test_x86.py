@@ -122,6 +122,31 @@ def test_decode_attention_matches_sdpa(dtype, tol, shape):
     assert (out.float() - expected).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030, 5), (1, 2, 7, 64, 300, 8), (2, 1, 3, 48, 257, 2),
+                                   (1, 1, 1, 32, 9, 9)])
+def test_causal_tokens_match_sdpa_and_one_token_calls(dtype, tol, shape):
+    # Speculative verification: T new tokens (rows token-major), token t sees keys up to its own.
+    b, h, group, d, length, num_tokens = shape
+    torch.manual_seed(length)
+    q = torch.randn(b, h, num_tokens * group, d).to(dtype)
+    k, v = torch.randn(b, h, length, d).to(dtype), torch.randn(b, h, length, d).to(dtype)
+    out = fused.decode_attention(q, k, v, d ** -0.5, num_tokens)
+    expected = fused.reference_decode_attention(q.float(), k.float(), v.float(), d ** -0.5, num_tokens)
+    assert (out.float() - expected).abs().max().item() <= tol
+    for t in range(num_tokens):
+        visible = length - num_tokens + t + 1
+        rows = slice(t * group, (t + 1) * group)
+        one = fused.decode_attention(q[:, :, rows], k[:, :, :visible], v[:, :, :visible], d ** -0.5)
+        assert torch.equal(out[:, :, rows], one), f"token {t} differs from its one-token call"
+
+
+def test_causal_tokens_bad_shape_is_a_value_error():
+    q, k = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 8, 32)
+    with pytest.raises(ValueError, match="tokens"):
+        fused.decode_attention(q, k, k, 1.0, num_tokens=2)
+
+
 def test_fallback_when_disabled(monkeypatch):
     monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
     load_x86_extension.cache_clear()

@@ -96,6 +96,16 @@ def test_sample_from_probs_shapes_and_zero_mass():
     assert ids.shape == (1, 2) and ids.tolist() == [[1, 0]]
 
 
+def test_sample_from_probs_follows_the_distribution():
+    # Zero-probability tokens (including the last one) are never drawn, and frequencies match.
+    probs = torch.tensor([0.1, 0.0, 0.25, 0.0, 0.05, 0.6, 0.0])
+    num_samples = 200_000
+    ids = sample_from_probs(probs.expand(num_samples, -1).contiguous(), _gen(0))
+    freq = torch.bincount(ids, minlength=probs.numel()).double() / num_samples
+    assert freq[probs == 0].sum() == 0
+    assert (freq - probs.double()).abs().max() < 4 * math.sqrt(0.25 / num_samples)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"max_new_tokens": 0},
     {"max_new_tokens": -3},

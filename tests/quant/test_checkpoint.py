@@ -21,6 +21,7 @@ def _logits(model, ids):
 CONFIGS = [
     QuantConfig(method="rtn", group_size=32, sym=True),
     QuantConfig(method="rtn", group_size=-1, sym=False, embed_bits=8),
+    QuantConfig(method="rtn", group_size=32, sym=False, lm_head_bits=4),
     QuantConfig(method="gptq", group_size=32, sym=False, act_order=True, num_calib_samples=4, calib_seq_len=32),
     QuantConfig(method="awq", group_size=64, sym=True, num_calib_samples=4, calib_seq_len=32),
     QuantConfig(method="rtn", bits=8, group_size=-1, lm_head_bits=16),
@@ -43,6 +44,7 @@ def test_save_load_gives_identical_logits(tiny_models, tmp_path, config, variant
     assert reloaded.model.quant_config == config
     assert isinstance(reloaded.model.model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(reloaded.model.model.embed_tokens, QuantEmbedding) == (config.embed_bits == 8)
+    assert getattr(reloaded.model.lm_head, "bits", 16) == config.lm_head_bits
     assert torch.equal(_logits(reloaded.model, ids), before)
     # A quantized model really differs from the dense one.
     dense = load_model(tiny_models.dir(variant), dtype="fp32").model

@@ -86,7 +86,7 @@ def test_zero_weights_do_not_divide_by_zero():
     ({"bits": 3}, "bits"),
     ({"bits": 8, "sym": False}, "symmetric"),
     ({"method": "rtn", "act_order": True}, "act_order"),
-    ({"lm_head_bits": 4}, "lm_head_bits"),
+    ({"lm_head_bits": 2}, "lm_head_bits"),
 ])
 def test_bad_configs_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -85,6 +85,22 @@ def test_adaptive_controller_chooses_plain_decoding_for_a_useless_draft():
     assert costly.next_k() == 0
 
 
+def test_adaptive_controller_estimates_per_token_acceptance():
+    # Steps drawn with per-token acceptance a: the estimate must approach a, not the
+    # accepted/drafted ratio, which counts positions after a rejection as failures.
+    a, k = 0.9, 4
+    rng = torch.Generator().manual_seed(0)
+    controller = AdaptiveDraftLength(k_max=k, ema=0.99)
+    num_accepted_total = num_draft_total = 0
+    for _ in range(2000):
+        passed = (torch.rand(k, generator=rng) < a).int().cumprod(0).sum().item()
+        controller.update(num_draft=k, num_accepted=passed)
+        num_accepted_total += passed
+        num_draft_total += k
+    assert abs(controller.acceptance - a) < 0.03
+    assert num_accepted_total / num_draft_total < a - 0.05  # the biased ratio
+
+
 def test_kv_cache_is_rolled_back_to_the_committed_prefix(target, tiny_models):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompt_ids = target.tokenizer.encode(PROMPTS[2])

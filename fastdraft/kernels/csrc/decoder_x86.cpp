@@ -15,7 +15,7 @@
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens);
 torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
                          int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const);
 
@@ -88,16 +88,15 @@ torch::Tensor layer_forward(const DecoderLayer& layer, const torch::Tensor& h, c
   // Cache [kv_heads, max_seq_len, head_dim] <- [T, kv_heads, head_dim]
   k_cache.narrow(1, start, num_tokens).copy_(k.view({num_tokens, layer.num_kv_heads, d}).transpose(0, 1));
   v_cache.narrow(1, start, num_tokens).copy_(v.view({num_tokens, layer.num_kv_heads, d}).transpose(0, 1));
-  std::vector<torch::Tensor> outs;
-  outs.reserve(num_tokens);
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    // Token i sees exactly its prefix; grouped query heads fold into the row axis.
-    auto q_i = q[i].view({1, layer.num_kv_heads, group, d});
-    auto keys = k_cache.narrow(1, 0, start + i + 1).unsqueeze(0);  // [1, kv_heads, L, head_dim]
-    auto values = v_cache.narrow(1, 0, start + i + 1).unsqueeze(0);
-    outs.push_back(decode_attention(q_i, keys, values, layer.scale).view({1, q_size}));
-  }
-  auto attn = num_tokens == 1 ? outs[0] : at::cat(outs, 0);  // [T, q_size]
+  // Token t sees exactly its prefix (causal over the new tokens); grouped query heads fold
+  // into the row axis, token-major: [1, kv_heads, T * group, head_dim].
+  auto q_rows = q.view({num_tokens, layer.num_kv_heads, group, d}).permute({1, 0, 2, 3})
+                    .reshape({1, layer.num_kv_heads, num_tokens * group, d});
+  auto keys = k_cache.narrow(1, 0, start + num_tokens).unsqueeze(0);  // [1, kv_heads, L, head_dim]
+  auto values = v_cache.narrow(1, 0, start + num_tokens).unsqueeze(0);
+  auto attn = decode_attention(q_rows, keys, values, layer.scale, num_tokens)
+                  .view({layer.num_kv_heads, num_tokens, group, d}).permute({1, 0, 2, 3})
+                  .reshape({num_tokens, q_size});  // [T, q_size]
   auto hidden = h + (*layer.o_proj)(attn);
   auto gate_up = (*layer.gate_up)(rms_norm(hidden, layer.post_attention_norm, layer.eps));
   return hidden + (*layer.down)(silu_and_mul(gate_up));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -181,15 +182,10 @@ namespace {
 
 constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results are deterministic
 
-struct Partial {
-  std::vector<float> max, sum, acc;  // [R], [R], [R, D]
-};
-
+// Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
 template <typename T>
-void attend_split(const float* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride, int64_t rows,
-                  int64_t d, int64_t l0, int64_t l1, float* max_out, float* sum_out, float* acc_out) {
-  const int64_t n = l1 - l0;
-  std::vector<float> scores(rows * n);
+void qk_scores(const float* q, const T* k, int64_t k_stride, int64_t rows, int64_t d, int64_t l0, int64_t n,
+               float* scores) {
   const int64_t vecs = d / 16;
   for (int64_t l = 0; l < n; ++l) {
     const T* kr = k + (l0 + l) * k_stride;
@@ -202,38 +198,138 @@ void attend_split(const float* q, const T* k, const T* v, int64_t k_stride, int6
       scores[r * n + l] = _mm512_reduce_add_ps(s);
     }
   }
+}
+
+// In-register transpose of a 16x16 matrix of 32-bit elements (r[i] lane j -> r[j] lane i).
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + m]: rows 4i..4i+3, column 4L + m of each 128-bit lane L
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), w = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
+    r[m] = _mm512_shuffle_i32x4(v, v2, 0x88);
+    r[8 + m] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+    r[4 + m] = _mm512_shuffle_i32x4(w, w2, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+  }
+}
+
+// NR query rows (bf16 pairs, one dword per two dims) against a transposed key tile
+// kt [pairs][16 keys]: 16 scores per row, two accumulator chains per row (fixed, so a row's
+// result does not depend on how many rows share the call).
+template <int NR>
+__attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt,
+                                                         float* scores, int64_t n, int64_t lt, __mmask16 mask) {
+  __m512 acc0[NR], acc1[NR];
+  for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 16 * p);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + 16 * (p + 1));
+    for (int r = 0; r < NR; ++r) {
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p])));
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p + 1])));
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(scores + r * n + lt, mask, _mm512_add_ps(acc0[r], acc1[r]));
+}
+
+// bf16 scores with AVX512-BF16 dot products: each 16-key tile is transposed once (to 16 keys
+// per vector) and shared by every query row, so no row pays a horizontal reduction per key.
+void qk_scores_bf16(const uint32_t* qp, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d, int64_t l0,
+                    int64_t n, float* scores) {
+  const int64_t pairs = d / 2;
+  alignas(64) uint32_t kt[128 * 16];  // [pairs][16 keys], d <= 256
+  for (int64_t lt = 0; lt < n; lt += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - lt);
+    for (int64_t c = 0; c < pairs / 16; ++c) {
+      __m512i tile[16];
+      for (int j = 0; j < 16; ++j)
+        tile[j] = j < nk ? _mm512_loadu_si512(k + (l0 + lt + j) * k_stride + 32 * c) : _mm512_setzero_si512();
+      transpose16x16(tile);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + 16 * (16 * c + p), tile[p]);
+    }
+    const __mmask16 mask = mask_for(nk);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const uint32_t* qr = qp + r0 * pairs;
+      float* sr = scores + r0 * n;
+      switch (std::min<int64_t>(8, rows - r0)) {
+        case 1: qk_tile_bf16<1>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 2: qk_tile_bf16<2>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 3: qk_tile_bf16<3>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 4: qk_tile_bf16<4>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 5: qk_tile_bf16<5>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 6: qk_tile_bf16<6>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 7: qk_tile_bf16<7>(qr, pairs, kt, sr, n, lt, mask); break;
+        default: qk_tile_bf16<8>(qr, pairs, kt, sr, n, lt, mask); break;
+      }
+    }
+  }
+}
+
+// One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
+// keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
+template <typename T>
+void attend_split(const float* q, const uint32_t* q_pairs, const T* k, const T* v, int64_t k_stride,
+                  int64_t v_stride, int64_t rows, int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys,
+                  float* max_out, float* sum_out, float* acc_out) {
+  const int64_t n = l1 - l0;
+  std::vector<float> scores(rows * n);
+  const int64_t vecs = d / 16;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (q_pairs != nullptr) qk_scores_bf16(q_pairs, k, k_stride, rows, d, l0, n, scores.data());
+    else qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
+  } else {
+    qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores.data() + r * n;
+    const int64_t nr = num_keys[r];
     __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t l = 0; l < n; l += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, mask_for(n - l), sr + l));
+    for (int64_t l = 0; l < nr; l += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, mask_for(nr - l), sr + l));
     const float m = _mm512_reduce_max_ps(vmax);
     __m512 vsum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < n; l += 16) {
-      const __mmask16 mk = mask_for(n - l);
+    for (int64_t l = 0; l < nr; l += 16) {
+      const __mmask16 mk = mask_for(nr - l);
       const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
       _mm512_mask_storeu_ps(sr + l, mk, e);
       vsum = _mm512_add_ps(vsum, e);
     }
-    const float total = _mm512_reduce_add_ps(vsum);
     max_out[r] = m;
-    sum_out[r] = total;
+    sum_out[r] = _mm512_reduce_add_ps(vsum);
   }
   // out = P V: each V row is converted once and feeds up to 6 query rows, 64 dims at a time
-  // (6 x 4 accumulators fit the 32 vector registers).
+  // (6 x 4 accumulators fit the 32 vector registers). A row stops at its own last key.
   constexpr int kRows = 6, kVecs = 4;
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min<int64_t>(kRows, rows - r0);
+    int64_t n_all = n, n_any = 0;  // keys every row of the block sees / any row sees
+    for (int64_t r = 0; r < nr; ++r) {
+      n_all = std::min(n_all, num_keys[r0 + r]);
+      n_any = std::max(n_any, num_keys[r0 + r]);
+    }
     for (int64_t i0 = 0; i0 < vecs; i0 += kVecs) {
       const int64_t nv = std::min<int64_t>(kVecs, vecs - i0);
       __m512 acc[kRows][kVecs];
       for (int r = 0; r < kRows; ++r)
         for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_setzero_ps();
-      for (int64_t l = 0; l < n; ++l) {
+      for (int64_t l = 0; l < n_any; ++l) {
         const T* vr = v + (l0 + l) * v_stride + 16 * i0;
         __m512 vv[kVecs];
         for (int i = 0; i < kVecs; ++i) vv[i] = i < nv ? load16(vr + 16 * i, 0xffff) : _mm512_setzero_ps();
+        const bool is_shared = l < n_all;
         for (int r = 0; r < kRows; ++r) {
           if (r >= nr) break;
+          if (!is_shared && l >= num_keys[r0 + r]) continue;
           const __m512 p = _mm512_set1_ps(scores[(r0 + r) * n + l]);
           for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_fmadd_ps(p, vv[i], acc[r][i]);
         }
@@ -244,28 +340,46 @@ void attend_split(const float* q, const T* k, const T* v, int64_t k_stride, int6
   }
 }
 
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 }  // namespace
 
 // q [B, H, R, D] (scaled inside), k/v [B, H, L, D] with unit last stride -> out [B, H, R, D].
-// Every query row attends to all L keys (no mask): one decode step, or one token of a
-// verification whose keys are exactly its visible prefix.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+// The R rows are `num_tokens` consecutive query tokens (token-major: R / num_tokens rows each,
+// e.g. grouped heads), the last of which is key L - 1: token t sees keys 0..L - num_tokens + t,
+// causal as in speculative verification. Each row's arithmetic is the same whatever the
+// other rows, so verifying T tokens at once is bit-identical to T one-token decode steps.
+// bf16 inputs on CPUs with AVX512-BF16 take q K^T with bf16 dot products (q rounded to bf16,
+// fp32 accumulation, as flash attention does); softmax and P V are fp32.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "q, k, v: one dtype, f32 or bf16");
   const int64_t b = q.size(0), h = q.size(1), rows = q.size(2), d = q.size(3), len = k.size(2);
   TORCH_CHECK(k.size(0) == b && k.size(1) == h && k.size(3) == d && v.sizes() == k.sizes(), "k/v shape mismatch");
   TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
+  TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
   auto qf = (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
+  const bool is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
+  torch::Tensor q_pairs;  // [B, H, R, D] bf16 viewed as D / 2 dwords per row
+  if (is_bf16_dot) q_pairs = qf.to(at::kBFloat16).contiguous();
+  std::vector<int64_t> row_len(rows);  // keys each row sees
+  const int64_t rows_per_token = rows / num_tokens;
+  for (int64_t r = 0; r < rows; ++r) row_len[r] = len - num_tokens + 1 + r / rows_per_token;
   const int64_t splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
   const int64_t items = b * h * splits;
   std::vector<float> pmax(items * rows), psum(items * rows), pacc(items * rows * d);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> num_keys(rows);
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t bh = it / splits, sp = it % splits;
       const int64_t bi = bh / h, hi = bh % h;
       const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
+      for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(row_len[r] - l0, 0, l1 - l0);
       const float* qp = qf.data_ptr<float>() + bh * rows * d;
       float* mo = pmax.data() + it * rows;
       float* so = psum.data() + it * rows;
@@ -273,23 +387,26 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       if (q.scalar_type() == at::kFloat) {
         const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
         const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-        attend_split(qp, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, mo, so, ao);
+        attend_split(qp, nullptr, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
       } else {
         const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
         const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
-        attend_split(qp, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, mo, so, ao);
+        const uint32_t* pairs = is_bf16_dot
+            ? reinterpret_cast<const uint32_t*>(q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
+        attend_split(qp, pairs, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
       }
     }
   });
   auto out = torch::empty({b, h, rows, d}, q.options());
   for (int64_t bh = 0; bh < b * h; ++bh) {
     for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row_splits = (row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
       float m = -INFINITY;
-      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, pmax[(bh * splits + sp) * rows + r]);
+      for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, pmax[(bh * splits + sp) * rows + r]);
       float total = 0.0f;
       __m512 acc[16];
       for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t sp = 0; sp < splits; ++sp) {
+      for (int64_t sp = 0; sp < row_splits; ++sp) {
         const int64_t it = bh * splits + sp;
         const float w = std::exp(pmax[it * rows + r] - m);
         total += w * psum[it * rows + r];

@@ -352,14 +352,15 @@ torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens);
 // decoder_x86.cpp
 void bind_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [M, 2N] = [gate | up] tensor");
-  m.def("decode_attention", &decode_attention, "unmasked attention of a few query rows over cached keys/values");
+  m.def("decode_attention", &decode_attention, "attention of a few new query tokens over cached keys/values",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("num_tokens") = 1);
   m.def("rotary", &rotary, "rotary embedding (rotate-half convention) of [T, heads * head_dim] rows");
   m.def("woq_linear", &woq_linear, "INT4/INT8 weight-only linear (AVX-512 VNNI)");
   m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT8 weight");
