@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -276,6 +277,70 @@ void qk_scores_bf16(const uint32_t* qp, const at::BFloat16* k, int64_t k_stride,
   }
 }
 
+// P V with AVX512-BF16 dot products over pairs of keys: probabilities [rows, n] (already
+// bf16-valued floats) -> acc_out [rows, d] fp32. Two V rows are interleaved once (16 dims x 2
+// keys per vector) and feed up to 6 query rows, 64 dims at a time. A row stops at its own
+// last key pair; an odd last key is paired with a zero row.
+__attribute__((target("avx512bf16"))) void pv_bf16(const float* probs, const at::BFloat16* v, int64_t v_stride,
+                                                   int64_t rows, int64_t d, int64_t l0, int64_t n,
+                                                   const int64_t* num_keys, float* acc_out) {
+  const int64_t num_pairs = (n + 1) / 2;
+  std::vector<uint32_t> p_pairs(rows * num_pairs);  // [rows, num_pairs] (p[2j] | p[2j+1] << 16)
+  std::vector<int64_t> row_pairs(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = probs + r * n;
+    const int64_t nr = num_keys[r];
+    row_pairs[r] = (nr + 1) / 2;
+    for (int64_t j = 0; j < row_pairs[r]; ++j) {
+      uint32_t lo, hi = 0;
+      std::memcpy(&lo, pr + 2 * j, 4);
+      if (2 * j + 1 < nr) std::memcpy(&hi, pr + 2 * j + 1, 4);
+      p_pairs[r * num_pairs + j] = (lo >> 16) | (hi & 0xffff0000u);
+    }
+  }
+  const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  constexpr int kRows = 6, kVecs = 4;  // 64 dims: two 32-dim loads per key
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t nr = std::min<int64_t>(kRows, rows - r0);
+    int64_t pairs_all = num_pairs, pairs_any = 0;
+    for (int64_t r = 0; r < nr; ++r) {
+      pairs_all = std::min(pairs_all, row_pairs[r0 + r]);
+      pairs_any = std::max(pairs_any, row_pairs[r0 + r]);
+    }
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      const int64_t nv = std::min<int64_t>(kVecs, (d - c0) / 16);
+      __m512 acc[kRows][kVecs];
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < pairs_any; ++j) {
+        const int64_t l = 2 * j;
+        const at::BFloat16* va = v + (l0 + l) * v_stride + c0;
+        const bool has_b = l + 1 < n;
+        __m512i vv[kVecs];
+        for (int h = 0; h < kVecs / 2; ++h) {
+          if (2 * h >= nv) break;
+          const __m512i a = _mm512_loadu_si512(va + 32 * h);
+          const __m512i b = has_b ? _mm512_loadu_si512(va + v_stride + 32 * h) : _mm512_setzero_si512();
+          vv[2 * h] = _mm512_permutex2var_epi16(a, idx_lo, b);
+          vv[2 * h + 1] = _mm512_permutex2var_epi16(a, idx_hi, b);
+        }
+        const bool is_shared = j < pairs_all;
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= nr) break;
+          if (!is_shared && j >= row_pairs[r0 + r]) continue;
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[(r0 + r) * num_pairs + j]));
+          for (int i = 0; i < kVecs; ++i)
+            if (i < nv) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)vv[i], p);
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(acc_out + (r0 + r) * d + c0 + 16 * i, acc[r][i]);
+    }
+  }
+}
+
 // One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
 // keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
 template <typename T>
@@ -285,8 +350,9 @@ void attend_split(const float* q, const uint32_t* q_pairs, const T* k, const T* 
   const int64_t n = l1 - l0;
   std::vector<float> scores(rows * n);
   const int64_t vecs = d / 16;
+  const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (q_pairs != nullptr) qk_scores_bf16(q_pairs, k, k_stride, rows, d, l0, n, scores.data());
+    if (is_bf16) qk_scores_bf16(q_pairs, k, k_stride, rows, d, l0, n, scores.data());
     else qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
   } else {
     qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
@@ -300,12 +366,19 @@ void attend_split(const float* q, const uint32_t* q_pairs, const T* k, const T* 
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t l = 0; l < nr; l += 16) {
       const __mmask16 mk = mask_for(nr - l);
-      const __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
+      __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
+      if (is_bf16) e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
       _mm512_mask_storeu_ps(sr + l, mk, e);
       vsum = _mm512_add_ps(vsum, e);
     }
     max_out[r] = m;
     sum_out[r] = _mm512_reduce_add_ps(vsum);
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (is_bf16) {
+      pv_bf16(scores.data(), v, v_stride, rows, d, l0, n, num_keys, acc_out);
+      return;
+    }
   }
   // out = P V: each V row is converted once and feeds up to 6 query rows, 64 dims at a time
   // (6 x 4 accumulators fit the 32 vector registers). A row stops at its own last key.
@@ -352,8 +425,9 @@ bool cpu_has_avx512_bf16() {
 // e.g. grouped heads), the last of which is key L - 1: token t sees keys 0..L - num_tokens + t,
 // causal as in speculative verification. Each row's arithmetic is the same whatever the
 // other rows, so verifying T tokens at once is bit-identical to T one-token decode steps.
-// bf16 inputs on CPUs with AVX512-BF16 take q K^T with bf16 dot products (q rounded to bf16,
-// fp32 accumulation, as flash attention does); softmax and P V are fp32.
+// bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
+// (q rounded to bf16) and P V (probabilities rounded to bf16), as flash attention does; the
+// softmax itself is fp32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
