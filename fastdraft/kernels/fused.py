@@ -102,7 +102,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if num_tokens < 1 or q.shape[2] % num_tokens or num_tokens > k.shape[2]:
         raise ValueError(f"{q.shape[2]} query rows cannot be {num_tokens} tokens over {k.shape[2]} keys")
     ext = _extension_for(q, k, v)
-    if (ext is None or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[2] > 64
-            or k.stride(-1) != 1 or v.stride(-1) != 1):
+    if ext is None or q.shape[-1] % 16 or q.shape[-1] > 256 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return reference_decode_attention(q, k, v, scale, num_tokens)
     return ext.decode_attention(q, k, v, scale, num_tokens)

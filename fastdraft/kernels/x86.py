@@ -165,6 +165,12 @@ class X86WoqKernel(WeightOnlyKernel):
         self._args = (pw.packed, pw.scales, pw.zeros, pw.bits, pw.out_features)
         self._geometry = (pw.k_pad, pw.block, pw.group, pw.zero_const)
 
+    @property
+    def op_args(self) -> tuple:
+        """The repacked weight as the C++ ops take it, after the activations: (packed, scales,
+        zeros, bits, out_features, k_pad, block, group, zero_const)."""
+        return self._args + self._geometry
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized ``[N, K]`` weight, computed by the C++ kernel."""
         pw = self.weight

@@ -48,15 +48,12 @@ def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, 
     kernel = linear.kernel
     if not isinstance(kernel, X86WoqKernel) or kernel.large_m <= MAX_FUSED_TOKENS:
         return None
-    packed, scales, zeros, bits, out_features = kernel._args
-    k_pad, block, group, zero_const = kernel._geometry
-    return ext.woq_linear_op(packed, scales, zeros, bits, out_features, k_pad, block, group, zero_const,
-                             linear.bias)
+    return ext.woq_linear_op(*kernel.op_args, linear.bias)
 
 
 def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.head_dim % 16 or attn.head_dim > 256 or attn.num_heads // attn.num_kv_heads > 64:
+    if attn.head_dim % 16 or attn.head_dim > 256:
         return None  # outside decode_attention's shapes
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(has_hooks(m) for m in (layer, attn, mlp, *norms)):
