@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,10 +10,11 @@ import torch
 from fastdraft.engine.generate import TextGenerator, generate_token_ids
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
 from fastdraft.spec.decoding import AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, speculative_generate
-from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
+from fastdraft.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
 
@@ -136,6 +138,59 @@ def test_seeded_speculative_sampling_is_reproducible(target):
     other = generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0.8, seed=8,
                                                           ignore_eos=True)).token_ids
     assert other != first
+
+
+class _UniformOverSupportProposer:
+    """Drafts one token uniformly over the target's sampling support: it overlaps the target's
+    distribution without matching it, so accepted, recovered and bonus tokens all occur and a
+    wrong residual distribution would show (it is ~0.1 away in total variation here)."""
+
+    step_costs = None
+
+    def __init__(self, next_probs) -> None:
+        self.next_probs = next_probs
+
+    def start(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def propose(self, token_ids, num_tokens, params, generator) -> Proposal:
+        support = self.next_probs(token_ids) > 0
+        draft_probs = support.float() / support.sum()  # [vocab_size]
+        return Proposal(sample_from_probs(draft_probs, generator).view(1), draft_probs[None])
+
+    def rollback(self, num_valid: int) -> None:
+        pass
+
+
+def test_speculative_sampling_follows_the_target_distribution_end_to_end(target):
+    # Through the whole loop (drafting, verification, recovered and bonus tokens, rollback):
+    # the joint distribution of the first two new tokens must be the target's own.
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    prompt_ids = target.tokenizer.encode(PROMPTS[0])
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
+        with torch.inference_mode():
+            hidden = target.model(torch.tensor([ids]), cache, cache.append(len(ids)))
+            return logits_to_probs(target.model.compute_logits(hidden[0, -1]), params)  # [vocab_size]
+
+    first = next_probs(prompt_ids)
+    exact = {(a, b): float(first[a] * p_b) for a in first.nonzero().flatten().tolist()
+             for b, p_b in enumerate(next_probs(prompt_ids + [a]).tolist()) if p_b > 0}
+    num_samples = 1500
+    counts: dict[tuple[int, int], int] = {}
+    metrics = SpecMetrics()
+    cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
+    proposer = _UniformOverSupportProposer(next_probs)
+    for seed in range(num_samples):
+        cache.reset()
+        out = list(speculative_generate(target.model, proposer, prompt_ids, replace(params, seed=seed), cache, [],
+                                        1, False, metrics))
+        counts[tuple(out[:2])] = counts.get(tuple(out[:2]), 0) + 1
+    assert 0.2 < metrics.acceptance_rate < 0.95  # both accepted and recovered tokens
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(key, 0) / num_samples - p) for key, p in exact.items())
+    assert tv < 0.05, f"total variation {tv:.3f} from the target's distribution"
 
 
 def test_stops_at_eos_and_max_new_tokens(target):
