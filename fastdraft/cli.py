@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Q4_K_M-style INT8 for sensitive v_proj/down_proj layers")
     quant.add_argument("--candidates", default="",
                        help="with --auto: explicit configs separated by ';' instead of the grid")
+    quant.add_argument("--num-calib-samples", type=int, default=32,
+                       help="with --auto: calibration windows for the grid's GPTQ/AWQ configs")
+    quant.add_argument("--calib-seq-len", type=int, default=512, help="with --auto: tokens per calibration window")
     quant.add_argument("--report-dir", help="where --auto writes report.md/.json/.png (default: OUTPUT/report)")
     quant.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
 
@@ -161,7 +164,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                                 group_sizes=_int_list(args.group_sizes, "--group-sizes"), syms=syms,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
-                                max_loss=args.max_loss,
+                                max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
+                                calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
         loaded = load_model(args.model, dtype=args.dtype)

@@ -112,12 +112,18 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
     ref_eval = ref_scores.result
     result = AutoResult(reference=ref_eval, reference_decode_ms=time_decode(reference, space.num_decode_tokens, prompt_ids),
                         reference_weight_bytes=reference.decode_weight_bytes())
-    samples = calibration_samples(tokenizer, space.num_calib_samples, space.calib_seq_len)
+    calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each config's own calibration set, drawn once
     state = load_state_dict(loaded.model_dir)
     best_model = None
     for config in space.configs():
         model = build_model(loaded.config, state, reference.dtype, reference.device)
-        quantize_model(model, config, samples if config.needs_calibration else None, show_progress)
+        samples = None
+        if config.needs_calibration:
+            key = (config.num_calib_samples, config.calib_seq_len, config.seed)
+            if key not in calib:
+                calib[key] = calibration_samples(tokenizer, *key)
+            samples = calib[key]
+        quantize_model(model, config, samples, show_progress)
         ev = evaluate(model, windows, ref_scores, label=config.label, show_progress=show_progress)
         cand = Candidate(config, ev, time_decode(model, space.num_decode_tokens, prompt_ids), model.decode_weight_bytes())
         cand.is_within_target = ev.ppl_loss <= space.max_loss

@@ -230,7 +230,8 @@ inline void transpose16x16(__m512i r[16]) {
 // result does not depend on how many rows share the call).
 template <int NR>
 __attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt,
-                                                         float* scores, int64_t n, int64_t lt, __mmask16 mask) {
+                                                         float scale, float* scores, int64_t n, int64_t lt,
+                                                         __mmask16 mask) {
   __m512 acc0[NR], acc1[NR];
   for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; p += 2) {
@@ -241,13 +242,15 @@ __attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int6
       acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p + 1])));
     }
   }
-  for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(scores + r * n + lt, mask, _mm512_add_ps(acc0[r], acc1[r]));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int r = 0; r < NR; ++r)
+    _mm512_mask_storeu_ps(scores + r * n + lt, mask, _mm512_mul_ps(_mm512_add_ps(acc0[r], acc1[r]), vscale));
 }
 
 // bf16 scores with AVX512-BF16 dot products: each 16-key tile is transposed once (to 16 keys
 // per vector) and shared by every query row, so no row pays a horizontal reduction per key.
-void qk_scores_bf16(const uint32_t* qp, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d, int64_t l0,
-                    int64_t n, float* scores) {
+void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d,
+                    int64_t l0, int64_t n, float* scores) {
   const int64_t pairs = d / 2;
   alignas(64) uint32_t kt[128 * 16];  // [pairs][16 keys], d <= 256
   for (int64_t lt = 0; lt < n; lt += 16) {
@@ -264,14 +267,14 @@ void qk_scores_bf16(const uint32_t* qp, const at::BFloat16* k, int64_t k_stride,
       const uint32_t* qr = qp + r0 * pairs;
       float* sr = scores + r0 * n;
       switch (std::min<int64_t>(8, rows - r0)) {
-        case 1: qk_tile_bf16<1>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 2: qk_tile_bf16<2>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 3: qk_tile_bf16<3>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 4: qk_tile_bf16<4>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 5: qk_tile_bf16<5>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 6: qk_tile_bf16<6>(qr, pairs, kt, sr, n, lt, mask); break;
-        case 7: qk_tile_bf16<7>(qr, pairs, kt, sr, n, lt, mask); break;
-        default: qk_tile_bf16<8>(qr, pairs, kt, sr, n, lt, mask); break;
+        case 1: qk_tile_bf16<1>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 2: qk_tile_bf16<2>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 3: qk_tile_bf16<3>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 4: qk_tile_bf16<4>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 5: qk_tile_bf16<5>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 6: qk_tile_bf16<6>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        case 7: qk_tile_bf16<7>(qr, pairs, kt, scale, sr, n, lt, mask); break;
+        default: qk_tile_bf16<8>(qr, pairs, kt, scale, sr, n, lt, mask); break;
       }
     }
   }
@@ -344,7 +347,7 @@ __attribute__((target("avx512bf16"))) void pv_bf16(const float* probs, const at:
 // One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
 // keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
 template <typename T>
-void attend_split(const float* q, const uint32_t* q_pairs, const T* k, const T* v, int64_t k_stride,
+void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T* k, const T* v, int64_t k_stride,
                   int64_t v_stride, int64_t rows, int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys,
                   float* max_out, float* sum_out, float* acc_out) {
   const int64_t n = l1 - l0;
@@ -352,7 +355,7 @@ void attend_split(const float* q, const uint32_t* q_pairs, const T* k, const T* 
   const int64_t vecs = d / 16;
   const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (is_bf16) qk_scores_bf16(q_pairs, k, k_stride, rows, d, l0, n, scores.data());
+    if (is_bf16) qk_scores_bf16(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
     else qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
   } else {
     qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
@@ -426,8 +429,8 @@ bool cpu_has_avx512_bf16() {
 // causal as in speculative verification. Each row's arithmetic is the same whatever the
 // other rows, so verifying T tokens at once is bit-identical to T one-token decode steps.
 // bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
-// (q rounded to bf16) and P V (probabilities rounded to bf16), as flash attention does; the
-// softmax itself is fp32.
+// (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
+// does; the softmax itself is fp32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
@@ -437,10 +440,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
   TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  auto qf = (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
   const bool is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
-  torch::Tensor q_pairs;  // [B, H, R, D] bf16 viewed as D / 2 dwords per row
-  if (is_bf16_dot) q_pairs = qf.to(at::kBFloat16).contiguous();
+  // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
+  // the fp32 path takes q pre-scaled.
+  auto q_pairs = is_bf16_dot ? q.contiguous() : torch::Tensor();  // [B, H, R, D]
+  auto qf = is_bf16_dot ? torch::Tensor() : (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
   std::vector<int64_t> row_len(rows);  // keys each row sees
   const int64_t rows_per_token = rows / num_tokens;
   for (int64_t r = 0; r < rows; ++r) row_len[r] = len - num_tokens + 1 + r / rows_per_token;
@@ -454,20 +458,21 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       const int64_t bi = bh / h, hi = bh % h;
       const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
       for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(row_len[r] - l0, 0, l1 - l0);
-      const float* qp = qf.data_ptr<float>() + bh * rows * d;
+      const float* qp = is_bf16_dot ? nullptr : qf.data_ptr<float>() + bh * rows * d;
       float* mo = pmax.data() + it * rows;
       float* so = psum.data() + it * rows;
       float* ao = pacc.data() + it * rows * d;
       if (q.scalar_type() == at::kFloat) {
         const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
         const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-        attend_split(qp, nullptr, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
+        attend_split(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
       } else {
         const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
         const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
         const uint32_t* pairs = is_bf16_dot
             ? reinterpret_cast<const uint32_t*>(q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-        attend_split(qp, pairs, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
+        attend_split(qp, pairs, static_cast<float>(scale), kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
+                     num_keys.data(), mo, so, ao);
       }
     }
   });
