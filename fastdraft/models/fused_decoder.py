@@ -51,6 +51,18 @@ def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, 
     return ext.woq_linear_op(*kernel.op_args, linear.bias)
 
 
+def _projections_op(ext, owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype, device: torch.device,
+                    min_rows: int):
+    """One C++ op for projections sharing an input (q/k/v, gate/up): their fused matmul, or,
+    when their formats differ (e.g. an INT8 v_proj beside INT4 q/k), each run in turn and
+    concatenated, as the module path does."""
+    fused = fused_linear(owner, names, dtype, device)
+    if fused is not None:
+        return _linear_op(ext, fused, dtype, device, min_rows)
+    parts = [_linear_op(ext, getattr(owner, name), dtype, device, min_rows) for name in names]
+    return None if any(part is None for part in parts) else ext.concat_linear(parts)
+
+
 def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
     attn, mlp = layer.self_attn, layer.mlp
     if attn.head_dim % 16 or attn.head_dim > 256:
@@ -63,9 +75,9 @@ def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, m
     qkv_names, gate_up_names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
     if any(has_hooks(getattr(attn, n)) for n in qkv_names) or any(has_hooks(getattr(mlp, n)) for n in gate_up_names):
         return None
-    ops = [_linear_op(ext, fused_linear(attn, qkv_names, dtype, device), dtype, device, min_rows),
+    ops = [_projections_op(ext, attn, qkv_names, dtype, device, min_rows),
            _linear_op(ext, attn.o_proj, dtype, device, min_rows),
-           _linear_op(ext, fused_linear(mlp, gate_up_names, dtype, device), dtype, device, min_rows),
+           _projections_op(ext, mlp, gate_up_names, dtype, device, min_rows),
            _linear_op(ext, mlp.down_proj, dtype, device, min_rows)]
     if any(op is None for op in ops):
         return None

@@ -79,8 +79,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = fused_linears(self, ("gate_proj", "up_proj"), x)  # [..., 2 * intermediate_size]
-        if gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if gate_up is None:  # formats differ: one by one, then the same activation kernel
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         return self.down_proj(silu_and_mul(gate_up))
 
 

@@ -18,6 +18,8 @@ QUANTS = {
     "dense": None,
     "int4-g32-sym": QuantConfig(method="rtn", group_size=32, sym=True),
     "int4-channel-asym": QuantConfig(method="rtn", group_size=-1, sym=False),
+    # INT8 v_proj/down_proj in some layers: q/k/v run one by one and are concatenated.
+    "int4-mix8": QuantConfig(method="rtn", group_size=32, sensitive_bits=8),
 }
 
 

@@ -21,15 +21,23 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 
 namespace {
 
-// One projection: a dense weight (oneDNN GEMM, padded to min_rows like the Python path) or a
-// repacked INT4/INT8 weight (woq_linear). The bias is in the activation dtype.
+// One projection: a dense weight (oneDNN GEMM, padded to min_rows like the Python path), a
+// repacked INT4/INT8 weight (woq_linear), or projections of different formats run one by one
+// with their outputs concatenated (e.g. an INT8 v_proj beside INT4 q/k). The bias is in the
+// activation dtype.
 struct Linear {
   torch::Tensor weight;  // dense [N, K], undefined for weight-only
   torch::Tensor packed, scales, zeros, bias;
   int64_t bits = 0, out_features = 0, k_pad = 0, block = 0, group = 0, min_rows = 1;
   double zero_const = 0.0;
+  std::vector<std::shared_ptr<Linear>> parts;  // non-empty: the concatenation of these
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K]
+    if (!parts.empty()) {
+      std::vector<torch::Tensor> outs;
+      for (const auto& part : parts) outs.push_back((*part)(x));
+      return at::cat(outs, 1);
+    }
     if (weight.defined()) {
       const int64_t m = x.size(0);
       if (m >= min_rows) return at::linear(x, weight, bias);
@@ -128,6 +136,12 @@ void bind_decoder(pybind11::module& m) {
   m.def("woq_linear_op", &woq_linear_op, py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bits"),
         py::arg("out_features"), py::arg("k_pad"), py::arg("block"), py::arg("group"), py::arg("zero_const"),
         py::arg("bias"));
+  m.def("concat_linear", [](std::vector<std::shared_ptr<Linear>> parts) {
+          TORCH_CHECK(!parts.empty(), "concat_linear needs at least one part");
+          auto lin = std::make_shared<Linear>();
+          lin->parts = std::move(parts);
+          return lin;
+        }, py::arg("parts"));
   py::class_<DecoderLayer, std::shared_ptr<DecoderLayer>>(m, "DecoderLayer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
                        std::shared_ptr<Linear> qkv, std::shared_ptr<Linear> o_proj, std::shared_ptr<Linear> gate_up,
