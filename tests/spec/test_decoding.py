@@ -238,6 +238,15 @@ def test_draft_length_must_fit_the_padded_shape(target):
         TextGenerator(target, speculative=SpeculativeConfig(draft="self", num_speculative_tokens=6))
 
 
+@pytest.mark.parametrize("head_bits", [4, 8, 16])
+def test_separate_draft_head_is_quantized_as_configured(target, tiny_models, head_bits):
+    config = SpeculativeConfig(draft=str(tiny_models.dir("llama")), draft_lm_head_bits=head_bits)
+    cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
+    proposer = build_proposer(config, target, cache)
+    assert getattr(proposer.model.lm_head, "bits", 16) == head_bits
+    assert proposer.model.model.layers[0].mlp.down_proj.bits == 4
+
+
 def test_config_validation():
     with pytest.raises(ValueError):
         SpeculativeConfig(num_speculative_tokens=0)
@@ -245,3 +254,5 @@ def test_config_validation():
         SpeculativeConfig(num_speculative_tokens=9)
     with pytest.raises(ValueError):
         SpeculativeConfig(draft_low_bit="int3")
+    with pytest.raises(ValueError, match="draft_lm_head_bits"):
+        SpeculativeConfig(draft_lm_head_bits=2)
