@@ -8,6 +8,10 @@ import torch.nn.functional as F
 from fastdraft.engine.kv_cache import AttentionMetadata
 from fastdraft.kernels.fused import decode_attention
 
+# Most tokens appended to a cached prefix that attend through decode_attention's causal
+# multi-token call (speculative verification); more take the masked SDPA path.
+MAX_CAUSAL_DECODE_TOKENS = 8
+
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> torch.Tensor:
@@ -22,7 +26,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     if meta.is_prefill:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=group > 1)
-    if meta.contiguous_start is not None and 1 < num_tokens <= 8:
+    if meta.contiguous_start is not None and 1 < num_tokens <= MAX_CAUSAL_DECODE_TOKENS:
         # A few tokens appended to a cached prefix (speculative verification): each token
         # attends over exactly its visible prefix with the arithmetic of a one-token decode
         # step, so both give bit-identical outputs.

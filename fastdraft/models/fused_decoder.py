@@ -17,12 +17,13 @@ from torch import nn
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel
+from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
 from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks
 from fastdraft.quant.linear import QuantLinear
 
-# Tokens per pass that the module path's attention also runs one query token at a time
-# (see layers.attention.cached_attention): the fused path must make the same calls.
-MAX_FUSED_TOKENS = 8
+# Tokens per pass for which the module path's attention makes the same decode_attention call
+# as the fused path (layers.attention.cached_attention), so the two stay bit-identical.
+MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
 _CACHE_ATTR = "_fused_decoder"
 
 

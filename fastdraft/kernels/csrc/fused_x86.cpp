@@ -356,10 +356,8 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (is_bf16) qk_scores_bf16(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
-    else qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
-  } else {
-    qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
   }
+  if (!is_bf16) qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores.data() + r * n;
     const int64_t nr = num_keys[r];
