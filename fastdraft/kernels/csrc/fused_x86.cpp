@@ -232,17 +232,24 @@ template <int NR>
 __attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt,
                                                          float scale, float* scores, int64_t n, int64_t lt,
                                                          __mmask16 mask) {
+  // Fully unrolled over rows, so the accumulators live in registers (not stack arrays).
   __m512 acc0[NR], acc1[NR];
-  for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
   for (int64_t p = 0; p < pairs; p += 2) {
     const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 16 * p);
     const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + 16 * (p + 1));
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p])));
       acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p + 1])));
     }
   }
   const __m512 vscale = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
     _mm512_mask_storeu_ps(scores + r * n + lt, mask, _mm512_mul_ps(_mm512_add_ps(acc0[r], acc1[r]), vscale));
 }
@@ -280,31 +287,64 @@ void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int6
   }
 }
 
-// P V with AVX512-BF16 dot products over pairs of keys: probabilities [rows, n] (already
-// bf16-valued floats) -> acc_out [rows, d] fp32. Two V rows are interleaved once (16 dims x 2
-// keys per vector) and feed up to 6 query rows, 64 dims at a time. A row stops at its own
-// last key pair; an odd last key is paired with a zero row.
-__attribute__((target("avx512bf16"))) void pv_bf16(const float* probs, const at::BFloat16* v, int64_t v_stride,
-                                                   int64_t rows, int64_t d, int64_t l0, int64_t n,
-                                                   const int64_t* num_keys, float* acc_out) {
-  const int64_t num_pairs = (n + 1) / 2;
-  std::vector<uint32_t> p_pairs(rows * num_pairs);  // [rows, num_pairs] (p[2j] | p[2j+1] << 16)
-  std::vector<int64_t> row_pairs(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* pr = probs + r * n;
-    const int64_t nr = num_keys[r];
-    row_pairs[r] = (nr + 1) / 2;
-    for (int64_t j = 0; j < row_pairs[r]; ++j) {
-      uint32_t lo, hi = 0;
-      std::memcpy(&lo, pr + 2 * j, 4);
-      if (2 * j + 1 < nr) std::memcpy(&hi, pr + 2 * j + 1, 4);
-      p_pairs[r * num_pairs + j] = (lo >> 16) | (hi & 0xffff0000u);
-    }
-  }
+// One block of NR query rows x NV * 16 dims of P V (bf16 dot products over key pairs). The
+// sizes are compile-time so the NR x NV accumulators stay in registers. p_pairs [NR rows of
+// num_pairs]; a row stops at its own last key pair (row_pairs), every row sees pairs_all.
+template <int NR, int NV>
+__attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int64_t num_pairs,
+                                                    const int64_t* row_pairs, int64_t pairs_all, int64_t pairs_any,
+                                                    const at::BFloat16* v, int64_t v_stride, int64_t n,
+                                                    float* acc_out, int64_t d) {
   const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-  constexpr int kRows = 6, kVecs = 4;  // 64 dims: two 32-dim loads per key
+  __m512 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs_any; ++j) {
+    const at::BFloat16* va = v + 2 * j * v_stride;
+    const bool has_b = 2 * j + 1 < n;
+    __m512i vv[NV];  // dims 16i..16i+15 of keys 2j and 2j+1, interleaved
+    for (int h = 0; h < NV / 2; ++h) {
+      const __m512i a = _mm512_loadu_si512(va + 32 * h);
+      const __m512i b = has_b ? _mm512_loadu_si512(va + v_stride + 32 * h) : _mm512_setzero_si512();
+      vv[2 * h] = _mm512_permutex2var_epi16(a, idx_lo, b);
+      vv[2 * h + 1] = _mm512_permutex2var_epi16(a, idx_hi, b);
+    }
+    const bool is_shared = j < pairs_all;
+    for (int r = 0; r < NR; ++r) {
+      if (!is_shared && j >= row_pairs[r]) continue;
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[r * num_pairs + j]));
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)vv[i], p);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * d + 16 * i, acc[r][i]);
+}
+
+template <int NV>
+void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* row_pairs, int64_t pairs_all,
+             int64_t pairs_any, const at::BFloat16* v, int64_t v_stride, int64_t n, float* out, int64_t d) {
+  switch (nr) {
+    case 1: pv_block<1, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 2: pv_block<2, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 3: pv_block<3, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 4: pv_block<4, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 5: pv_block<5, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    default: pv_block<6, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+  }
+}
+
+// P V with AVX512-BF16 dot products over pairs of keys: bf16 probabilities p_pairs [rows,
+// num_pairs] (dword j = keys 2j, 2j+1; zero past a row's last key) -> acc_out [rows, d] fp32.
+// Two V rows are interleaved once (16 dims x 2 keys per vector) and feed up to 6 query rows,
+// 64 dims at a time. A row stops at its own last key pair; an odd last key is paired with a
+// zero row.
+void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, int64_t v_stride, int64_t rows,
+             int64_t d, int64_t l0, int64_t n, const int64_t* num_keys, float* acc_out) {
+  std::vector<int64_t> row_pairs(rows);
+  for (int64_t r = 0; r < rows; ++r) row_pairs[r] = (num_keys[r] + 1) / 2;
+  constexpr int kRows = 6;  // 6 rows x 4 vectors of accumulators fit the 32 vector registers
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min<int64_t>(kRows, rows - r0);
     int64_t pairs_all = num_pairs, pairs_any = 0;
@@ -312,34 +352,14 @@ __attribute__((target("avx512bf16"))) void pv_bf16(const float* probs, const at:
       pairs_all = std::min(pairs_all, row_pairs[r0 + r]);
       pairs_any = std::max(pairs_any, row_pairs[r0 + r]);
     }
+    const uint32_t* pp = p_pairs + r0 * num_pairs;
+    const at::BFloat16* vb = v + l0 * v_stride;
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
-      const int64_t nv = std::min<int64_t>(kVecs, (d - c0) / 16);
-      __m512 acc[kRows][kVecs];
-      for (int r = 0; r < kRows; ++r)
-        for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < pairs_any; ++j) {
-        const int64_t l = 2 * j;
-        const at::BFloat16* va = v + (l0 + l) * v_stride + c0;
-        const bool has_b = l + 1 < n;
-        __m512i vv[kVecs];
-        for (int h = 0; h < kVecs / 2; ++h) {
-          if (2 * h >= nv) break;
-          const __m512i a = _mm512_loadu_si512(va + 32 * h);
-          const __m512i b = has_b ? _mm512_loadu_si512(va + v_stride + 32 * h) : _mm512_setzero_si512();
-          vv[2 * h] = _mm512_permutex2var_epi16(a, idx_lo, b);
-          vv[2 * h + 1] = _mm512_permutex2var_epi16(a, idx_hi, b);
-        }
-        const bool is_shared = j < pairs_all;
-        for (int r = 0; r < kRows; ++r) {
-          if (r >= nr) break;
-          if (!is_shared && j >= row_pairs[r0 + r]) continue;
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[(r0 + r) * num_pairs + j]));
-          for (int i = 0; i < kVecs; ++i)
-            if (i < nv) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)vv[i], p);
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(acc_out + (r0 + r) * d + c0 + 16 * i, acc[r][i]);
+      float* out = acc_out + r0 * d + c0;
+      if (d - c0 >= 64)
+        pv_rows<4>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n, out, d);
+      else  // d % 32 == 0 on this path: a last 32 dims
+        pv_rows<2>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n, out, d);
     }
   }
 }
@@ -358,6 +378,10 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
     if (is_bf16) qk_scores_bf16(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
   }
   if (!is_bf16) qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
+  // bf16 path: probabilities rounded to bf16 and packed in key pairs for pv_bf16, zero past
+  // each row's last key (an odd last key pairs with zero).
+  const int64_t num_pairs = (n + 1) / 2;
+  std::vector<uint16_t> probs_bf16(is_bf16 ? rows * 2 * num_pairs : 0);
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores.data() + r * n;
     const int64_t nr = num_keys[r];
@@ -368,8 +392,13 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
     for (int64_t l = 0; l < nr; l += 16) {
       const __mmask16 mk = mask_for(nr - l);
       __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
-      if (is_bf16) e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
-      _mm512_mask_storeu_ps(sr + l, mk, e);
+      if (is_bf16) {
+        e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
+        _mm256_mask_storeu_epi16(probs_bf16.data() + r * 2 * num_pairs + l, mk,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(e), 16)));
+      } else {
+        _mm512_mask_storeu_ps(sr + l, mk, e);
+      }
       vsum = _mm512_add_ps(vsum, e);
     }
     max_out[r] = m;
@@ -377,7 +406,8 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   }
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (is_bf16) {
-      pv_bf16(scores.data(), v, v_stride, rows, d, l0, n, num_keys, acc_out);
+      pv_bf16(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, v_stride, rows, d, l0, n, num_keys,
+              acc_out);
       return;
     }
   }
