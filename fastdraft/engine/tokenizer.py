@@ -3,6 +3,7 @@ and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,6 +27,7 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
+        self.path = path
         config_path = model_dir / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.chat_template: str | None = self.config.get("chat_template")
@@ -56,6 +58,18 @@ class Tokenizer:
             if bos_id is not None and (not ids or ids[0] != bos_id):
                 ids = [bos_id, *ids]
         return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added (encoded in parallel)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def special_token_ids(self) -> list[int]:
+        """Ids of the special added tokens (end of text, chat markers, ...)."""
+        return sorted(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+
+    def fingerprint(self) -> str:
+        """sha256 of ``tokenizer.json``: equal fingerprints, equal tokenization."""
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -34,6 +34,9 @@ class SpeculativeConfig:
     # proposes, so a coarser head costs acceptance, never exactness; for Qwen2.5-Coder-0.5B the
     # INT8 head is 40% of the bytes a draft step reads.
     draft_lm_head_bits: int = 4
+    # The draft's LM head keeps only this many tokens: the special ones, then the most frequent
+    # of the calibration corpus (spec/draft_vocab.py). Exact whatever the size; None keeps all.
+    draft_vocab_size: int | None = 32768
     draft_dtype: str | None = None  # a separate draft's dtype; default: the target's
     draft_device: str | None = None  # e.g. "cpu" beside a CUDA target; default: the target's
     is_cache_shared: bool = True  # "self" on the target's device: draft writes into the target's KV cache
@@ -47,6 +50,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_low_bit must be sym_int4, asym_int4 or int8, got {self.draft_low_bit!r}")
         if self.draft_lm_head_bits not in (4, 8, 16):
             raise ValueError(f"draft_lm_head_bits must be 4, 8 or 16, got {self.draft_lm_head_bits}")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or self.draft_vocab_size < 1):
+            raise ValueError(f"draft_vocab_size must be a positive int or None, got {self.draft_vocab_size!r}")
         if not self.draft:
             raise ValueError("draft must name 'self', 'ngram' or a model")
 
@@ -71,6 +77,25 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise ValueError("the draft's vocabulary is larger than the target's embedding table")
 
 
+def _restrict_draft_head(draft: LoadedModel, config: SpeculativeConfig) -> torch.Tensor | None:
+    """Shrink a dense draft head to ``config.draft_vocab_size`` frequent tokens; the kept ids
+    [draft_vocab] (sorted), or None when the head keeps the full vocabulary."""
+    from fastdraft.models.registry import fastdraft_home
+    from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
+
+    vocab_size = draft.config.vocab_size
+    if config.draft_vocab_size is None or config.draft_vocab_size >= vocab_size:
+        return None
+    if type(draft.model.lm_head) is not torch.nn.Linear:
+        logger.info("the draft's LM head is already quantized; it keeps the full vocabulary")
+        return None
+    token_ids = frequent_token_ids(draft.tokenizer, config.draft_vocab_size, vocab_size,
+                                   cache_dir=fastdraft_home() / "draft_vocab")
+    restrict_lm_head(draft.model, token_ids)
+    logger.info("draft LM head: %d of %d tokens", len(token_ids), vocab_size)
+    return token_ids.to(draft.model.device)
+
+
 def _quantize_draft(draft: LoadedModel, config: SpeculativeConfig) -> LoadedModel:
     """Quantize a dense draft in place as ``config.draft_low_bit`` asks (RTN)."""
     from fastdraft.quant.config import QuantConfig
@@ -90,11 +115,20 @@ def _quantize_draft(draft: LoadedModel, config: SpeculativeConfig) -> LoadedMode
     return draft
 
 
-def make_self_draft(target: LoadedModel, config: SpeculativeConfig, device: torch.device) -> LoadedModel:
-    """The target's own weights, quantized on the fly: a draft with no second model to find."""
+def prepare_draft(draft: LoadedModel, config: SpeculativeConfig) -> tuple[LoadedModel, torch.Tensor | None]:
+    """A freshly loaded draft made cheap: its head restricted to frequent tokens, then
+    quantized. Returns the draft and the token ids its head keeps (None: all)."""
+    token_ids = _restrict_draft_head(draft, config)
+    return _quantize_draft(draft, config), token_ids
+
+
+def make_self_draft(target: LoadedModel, config: SpeculativeConfig,
+                    device: torch.device) -> tuple[LoadedModel, torch.Tensor | None]:
+    """The target's own weights, quantized on the fly: a draft with no second model to find.
+    Returns the draft and the token ids its head keeps (None: all)."""
     model = build_model(target.config, load_state_dict(target.model_dir), target.model.dtype, device)
     draft = LoadedModel(model=model, tokenizer=target.tokenizer, config=target.config, model_dir=target.model_dir)
-    return _quantize_draft(draft, config)
+    return prepare_draft(draft, config)
 
 
 def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache,
@@ -111,20 +145,21 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
     if config.draft == NGRAM:
         return NgramProposer(target.config.vocab_size)
     device = torch.device(config.draft_device) if config.draft_device else target.model.device
+    token_ids = None
     if draft is not None:
         check_vocab_compatible(target, draft)
         device = draft.model.device
     elif config.draft == SELF:
-        draft = make_self_draft(target, config, device)
+        draft, token_ids = make_self_draft(target, config, device)
     else:
         dtype = config.draft_dtype or target.model.dtype
         draft = load_model(config.draft, dtype=dtype, device=device)
         check_vocab_compatible(target, draft)
-        draft = _quantize_draft(draft, config)
+        draft, token_ids = prepare_draft(draft, config)
     if config.draft == SELF and config.is_cache_shared and device == target.model.device:
-        proposer = DraftModelProposer(draft.model, target_cache, shares_target_cache=True,
-                                      min_confidence=config.min_confidence)
+        cache, is_shared = target_cache, True
     else:
         cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
-        proposer = DraftModelProposer(draft.model, cache, min_confidence=config.min_confidence)
-    return proposer
+        is_shared = False
+    return DraftModelProposer(draft.model, cache, shares_target_cache=is_shared, min_confidence=config.min_confidence,
+                              token_ids=token_ids)

@@ -28,14 +28,19 @@ class Proposal:
 
 
 class DraftModelProposer:
-    """Proposes tokens by running a draft model autoregressively."""
+    """Proposes tokens by running a draft model autoregressively.
+
+    ``token_ids`` [draft_vocab]: the vocabulary ids of the draft head's rows when the head was
+    restricted to frequent tokens (spec/draft_vocab.py); its probabilities are then scattered
+    back to the full vocabulary, zero for every dropped token."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, token_ids: torch.Tensor | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
+        self.token_ids = token_ids
         self.step_costs = None  # measured on first use by speculative_generate
 
     @torch.inference_mode()
@@ -59,15 +64,20 @@ class DraftModelProposer:
         draft_probs: list[torch.Tensor] = []
         for step in range(num_tokens):
             meta = self.kv_cache.append(input_ids.shape[1])
-            logits = self.model.compute_logits(self.model(input_ids, self.kv_cache, meta)[:, -1])  # [1, vocab]
+            logits = self.model.compute_logits(self.model(input_ids, self.kv_cache, meta)[:, -1])  # [1, draft_vocab]
             if params.is_greedy:
                 probs = None
                 next_id = logits.argmax(dim=-1)  # [1]
                 confidence = torch.softmax(logits, dim=-1).max() if self.min_confidence > 0 else None
             else:
-                probs = logits_to_probs(logits, params)  # [1, vocab]
+                probs = logits_to_probs(logits, params)  # [1, draft_vocab]
                 next_id = sample_from_probs(probs, generator)
                 confidence = probs.max() if self.min_confidence > 0 else None
+            if self.token_ids is not None:
+                next_id = self.token_ids[next_id]
+                if probs is not None:  # [1, vocab_size], zero for tokens the head dropped
+                    probs = torch.zeros(1, self.model.config.vocab_size, dtype=probs.dtype,
+                                        device=probs.device).index_copy_(1, self.token_ids, probs)
             draft_ids.append(next_id)
             if probs is not None:
                 draft_probs.append(probs[0])

@@ -256,3 +256,5 @@ def test_config_validation():
         SpeculativeConfig(draft_low_bit="int3")
     with pytest.raises(ValueError, match="draft_lm_head_bits"):
         SpeculativeConfig(draft_lm_head_bits=2)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        SpeculativeConfig(draft_vocab_size=0)
