@@ -1,13 +1,15 @@
 """Speculative vs plain decoding, measured in the same run.
 
-Batch 1, the first ``--prompt-tokens`` tokens of CPython's ``os.py``, ``--new-tokens`` new
+Batch 1, the first ``--prompt-tokens`` tokens of CPython's ``argparse.py`` (held out from
+calibration and from the draft vocabulary's ranking), ``--new-tokens`` new
 tokens (EOS ignored), greedy and temperature 0.7. Scenarios:
 
 * ``self``: the target in bf16, drafted by its own INT4 copy (``speculative=True``).
 * ``draft``: INT4 target drafted by a smaller INT4 model of the same tokenizer.
 
-For each: plain and speculative time per output token (median of ``--repeats`` runs), the
-speedup, whether greedy outputs are identical, and acceptance figures.
+For each: plain and speculative time per output token (median of ``--repeats`` rounds; a
+sampled round pools ``--seeds`` seeds, since one trajectory's acceptance varies a lot), the
+speedup, whether greedy outputs are identical, and acceptance figures (pooled over seeds).
 
     python benchmarks/bench_spec.py --scenario self --target qwen2.5-coder-1.5b-instruct
 """
@@ -27,13 +29,20 @@ from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.fileio import write_json
 from fastdraft.models.loader import load_model
+from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root
 from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.spec.decoding import SpecMetrics
+
+PROMPT_FILE = EVAL_CODE_FILES[0]  # argparse.py
 
 
 def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    ids = tokenizer.encode(Path(os.__file__).read_text(encoding="utf-8"), add_special_tokens=False)[:num_tokens]
+    """The first ``num_tokens`` tokens of a held-out stdlib module: text never used for
+    calibration or for ranking the draft head's vocabulary."""
+    path = stdlib_root() / PROMPT_FILE
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[:num_tokens]
     if len(ids) < num_tokens:
-        raise SystemExit(f"os.py has only {len(ids)} tokens")
+        raise SystemExit(f"{path} has only {len(ids)} tokens")
     return ids
 
 
@@ -42,26 +51,38 @@ def one_run(generator: TextGenerator, ids: list[int], params: SamplingParams) ->
     out = generator.generate(ids, params)
     total = time.perf_counter() - start
     m = out.metrics
-    return {"tokens": out.token_ids, "ttft_s": m.ttft_s,
-            "ms_per_token": (total - m.ttft_s) / max(len(out.token_ids) - 1, 1) * 1e3, "spec": m.spec}
+    return {"tokens": out.token_ids, "decode_s": total - m.ttft_s, "num_decoded": max(len(out.token_ids) - 1, 1),
+            "spec": m.spec}
 
 
-def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params: SamplingParams,
+def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_list: list[SamplingParams],
              repeats: int) -> tuple[dict, dict]:
-    """Plain and speculative runs alternated ``repeats`` times (this machine's bandwidth drifts
-    within minutes, so back-to-back blocks would compare different machines); medians."""
+    """Plain and speculative runs alternated, ``repeats`` rounds over every ``params`` (one per
+    seed): this machine's bandwidth drifts within minutes, so back-to-back blocks would compare
+    different machines. A round's time per token pools its seeds (each seed is a different
+    trajectory with its own acceptance); the median round is reported."""
     for generator in (plain, spec):
         generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-    runs: dict[str, list[dict]] = {"plain": [], "spec": []}
-    for _ in range(repeats):
-        runs["plain"].append(one_run(plain, ids, params))
-        runs["spec"].append(one_run(spec, ids, params))
+    rounds: dict[str, list[float]] = {"plain": [], "spec": []}
+    first: dict[str, list[dict]] = {"plain": [], "spec": []}
+    for i in range(repeats):
+        times = {"plain": [0.0, 0], "spec": [0.0, 0]}
+        for params in params_list:
+            for name, generator in (("plain", plain), ("spec", spec)):
+                r = one_run(generator, ids, params)
+                times[name][0] += r["decode_s"]
+                times[name][1] += r["num_decoded"]
+                if i == 0:
+                    first[name].append(r)
+        for name, (seconds, num_decoded) in times.items():
+            rounds[name].append(seconds / num_decoded * 1e3)
     summary = {}
-    for name, rs in runs.items():
-        best = {"ms_per_token": statistics.median(r["ms_per_token"] for r in rs),
-                "ttft_s": statistics.median(r["ttft_s"] for r in rs), "tokens": rs[0]["tokens"]}
-        stats = rs[0]["spec"]
-        if stats is not None:
+    for name, ms in rounds.items():
+        best = {"ms_per_token": statistics.median(ms), "tokens": [r["tokens"] for r in first[name]]}
+        if first[name][0]["spec"] is not None:
+            stats = SpecMetrics()
+            for r in first[name]:  # seeded runs repeat exactly: the first round's figures are every round's
+                stats.merge(r["spec"])
             best.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
                         per_position=stats.per_position_acceptance, num_plain_steps=stats.num_plain_steps)
         summary[name] = best
@@ -77,10 +98,12 @@ def scenario(name: str, target_name: str, target_low_bit: str | None, spec: Spec
     spec_gen = TextGenerator(target, max_seq_len=max_len, speculative=spec)
     rows = []
     for temperature in (0.0, 0.7):
-        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=0, ignore_eos=True)
-        base, fast = run_pair(plain, spec_gen, ids, params, args.repeats)
+        seeds = range(1 if temperature == 0 else args.seeds)
+        params_list = [SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=seed,
+                                      ignore_eos=True) for seed in seeds]
+        base, fast = run_pair(plain, spec_gen, ids, params_list, args.repeats)
         row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'})", "draft": spec.draft,
-               "temperature": temperature, "plain_ms_per_token": base["ms_per_token"],
+               "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
                **{k: fast[k] for k in ("acceptance_rate", "mean_accepted_length", "per_position", "num_plain_steps")}}
@@ -94,7 +117,8 @@ def scenario(name: str, target_name: str, target_low_bit: str | None, spec: Spec
 def print_row(r: dict) -> None:
     same = "" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "NO")
     per_pos = " ".join(f"{a:.2f}" for a in r["per_position"])
-    print(f"| {r['scenario']} | {r['target']} | {r['draft']} | {r['temperature']} | {r['plain_ms_per_token']:.1f} | "
+    print(f"| {r['scenario']} | {r['target']} | {r['draft']} | {r['temperature']} | {r['num_seeds']} | "
+          f"{r['plain_ms_per_token']:.1f} | "
           f"{r['spec_ms_per_token']:.1f} | {r['speedup']:.2f}x | {same} | {r['acceptance_rate'] * 100:.1f}% | "
           f"{r['mean_accepted_length']:.2f} | {per_pos} |", flush=True)
 
@@ -110,14 +134,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3,
                         help="plain and speculative runs, alternated; medians are reported")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="sampled runs (T=0.7) pool this many seeds: one trajectory's acceptance is noisy")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"1-minute load average before the run: {os.getloadavg()[0]:.1f} (timings need an idle machine)")
-    print("\n| scenario | target | draft | T | plain ms/tok | spec ms/tok | speedup | greedy identical | "
+    print("\n| scenario | target | draft | T | seeds | plain ms/tok | spec ms/tok | speedup | greedy identical | "
           "acceptance | mean accepted len | per-position acceptance |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     k = args.num_speculative_tokens
     for name in args.scenario or ["self", "draft"]:

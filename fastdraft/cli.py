@@ -65,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--model", default=DEFAULT_MODEL)
     quant.add_argument("--output", help="folder for the quantized checkpoint (written atomically)")
     quant.add_argument("--quant", default="method=rtn", help="key=value,... or a JSON file (ignored with --auto)")
-    quant.add_argument("--auto", action="store_true", help="search methods x group sizes x sym/asym")
+    quant.add_argument("--auto", action="store_true", help="search methods x group sizes x zero-point schemes")
     quant.add_argument("--max-loss", type=_fraction, default=0.01, help="max perplexity loss, e.g. 1%% or 0.01")
     quant.add_argument("--methods", default="rtn,gptq,awq")
     quant.add_argument("--group-sizes", default="32,128", help="comma list; -1 = per channel")
-    quant.add_argument("--sym", default="sym,asym", help="sym, asym or both")
+    quant.add_argument("--sym", default="sym,asym,asymf",
+                       help="zero-point schemes to try: sym, asym (integer zeros), asymf (float zeros)")
     quant.add_argument("--mixed", default="no", choices=["no", "yes", "both"],
                        help="Q4_K_M-style INT8 for sensitive v_proj/down_proj layers")
     quant.add_argument("--candidates", default="",
@@ -158,11 +159,11 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     if args.auto:
         from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
 
-        syms = tuple({"sym": True, "asym": False}.get(s.strip()) for s in args.sym.split(","))
-        if None in syms:
-            raise CLIError(f"--sym takes sym, asym or sym,asym; got {args.sym!r}")
+        schemes = tuple(s.strip() for s in args.sym.split(",") if s.strip())
+        if not schemes or not set(schemes) <= {"sym", "asym", "asymf"}:
+            raise CLIError(f"--sym takes a comma list of sym, asym, asymf; got {args.sym!r}")
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-                                group_sizes=_int_list(args.group_sizes, "--group-sizes"), syms=syms,
+                                group_sizes=_int_list(args.group_sizes, "--group-sizes"), schemes=schemes,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
                                 max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
                                 calib_seq_len=args.calib_seq_len,

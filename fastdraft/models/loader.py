@@ -102,9 +102,13 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    # Quantized codes and their fp16 scales keep their storage dtype; everything else follows dtype.
-    state_dict = {k: v.to(device=device, dtype=dtype if v.is_floating_point() and not k.endswith(".scales") else None)
-                  for k, v in state_dict.items()}
+    # Quantized codes and their fp16 scales and zero points keep their storage dtype; everything
+    # else follows dtype.
+    def target_dtype(name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        is_quant_param = name.rpartition(".")[2] in ("scales", "qzeros")
+        return dtype if tensor.is_floating_point() and not is_quant_param else None
+
+    state_dict = {k: v.to(device=device, dtype=target_dtype(k, v)) for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=False, assign=True)
     if is_tied:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -31,13 +31,18 @@ from fastdraft.quant.quantizer import quantize_model
 logger = logging.getLogger(__name__)
 
 
+SCHEMES = ("sym", "asym", "asymf")
+
+
 @dataclass
 class AutoSearchSpace:
     """The grid the automatic flow tries, and the accuracy target."""
 
     methods: tuple[str, ...] = ("rtn", "gptq", "awq")
     group_sizes: tuple[int, ...] = (32, 128)
-    syms: tuple[bool, ...] = (True, False)
+    # Zero-point schemes: "sym" (constant 8), "asym" (integer zero points, GPTQ/AWQ style),
+    # "asymf" (float16 zero points, Q4_1/Q4_K style).
+    schemes: tuple[str, ...] = ("sym", "asym", "asymf")
     sensitive_bits: tuple[int, ...] = (4,)  # add 8 to also try Q4_K_M-style INT8 exceptions
     max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
     lm_head_bits: int = 8
@@ -49,8 +54,11 @@ class AutoSearchSpace:
     candidates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.methods or not self.group_sizes or not self.syms or not self.sensitive_bits:
+        if not self.methods or not self.group_sizes or not self.schemes or not self.sensitive_bits:
             raise ValueError("the search space is empty")
+        unknown = set(self.schemes) - set(SCHEMES)
+        if unknown:
+            raise ValueError(f"unknown zero-point schemes {sorted(unknown)}; choose from {', '.join(SCHEMES)}")
         if not 0.0 < self.max_loss < 1.0:
             raise ValueError(f"max_loss must be in (0, 1), got {self.max_loss}")
         self.configs()  # validates every combination up front
@@ -60,10 +68,10 @@ class AutoSearchSpace:
             from fastdraft.quant.config import parse_quant_spec
 
             return [parse_quant_spec(c) for c in self.candidates]
-        return [QuantConfig(method=m, bits=4, group_size=g, sym=s, lm_head_bits=self.lm_head_bits,
-                            sensitive_bits=sb, num_calib_samples=self.num_calib_samples,
-                            calib_seq_len=self.calib_seq_len)
-                for m, g, s, sb in itertools.product(self.methods, self.group_sizes, self.syms, self.sensitive_bits)]
+        return [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
+                            lm_head_bits=self.lm_head_bits, sensitive_bits=sb,
+                            num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
+                for m, g, s, sb in itertools.product(self.methods, self.group_sizes, self.schemes, self.sensitive_bits)]
 
 
 @dataclass

@@ -27,12 +27,13 @@ def even_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
     return x[torch.linspace(0, x.shape[0] - 1, max_rows).long()]
 
 
-def _fake_quant(w: torch.Tensor, group_size: int, sym: bool) -> torch.Tensor:
-    return dequantize(quantize(w, 4, group_size, sym))
+def _fake_quant(w: torch.Tensor, group_size: int, sym: bool, float_zeros: bool = False) -> torch.Tensor:
+    return dequantize(quantize(w, 4, group_size, sym, float_zeros))
 
 
 @torch.no_grad()
-def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, sym: bool) -> torch.Tensor:
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, sym: bool,
+                  float_zeros: bool = False) -> torch.Tensor:
     """Best per-input-channel scale [K] for linears ``weights`` ([N_i, K]) fed by ``x`` [rows, K]."""
     x = x.float()
     x_mean = x.abs().mean(dim=0)  # [K]
@@ -44,12 +45,12 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     reference = x @ w_cat.t()
     # alpha = 0 with no weight term: plain RTN, the baseline every candidate must beat.
     best_scales = torch.ones_like(x_mean)
-    best_err = (x @ _fake_quant(w_cat, group_size, sym).t() - reference).pow(2).mean().item()
+    best_err = (x @ _fake_quant(w_cat, group_size, sym, float_zeros).t() - reference).pow(2).mean().item()
     for step in range(1, _NUM_GRID):
         alpha = step / _NUM_GRID
         scales = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         scales = scales / (scales.max() * scales.min()).sqrt()
-        w_q = _fake_quant(w_cat * scales, group_size, sym) / scales
+        w_q = _fake_quant(w_cat * scales, group_size, sym, float_zeros) / scales
         err = (x @ w_q.t() - reference).pow(2).mean().item()
         if err < best_err:
             best_err, best_scales = err, scales
@@ -57,7 +58,7 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
 
 
 @torch.no_grad()
-def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: bool,
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: bool, float_zeros: bool = False,
                 max_shrink: float = 0.5, num_rows: int = 512) -> torch.Tensor:
     """Clip each weight group to the range that minimizes its output error; returns the clipped weight."""
     w = weight.float()
@@ -76,7 +77,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: boo
     for step in range(int(max_shrink * _NUM_GRID)):
         ratio = 1 - step / _NUM_GRID
         clipped = torch.maximum(torch.minimum(wg, w_max * ratio), w_min * ratio)
-        q = _fake_quant(clipped.reshape(n, k), group_size, sym).view(n, k // g, g)
+        q = _fake_quant(clipped.reshape(n, k), group_size, sym, float_zeros).view(n, k // g, g)
         err = (torch.einsum("rgi,ngi->ngr", xg, q) - reference).pow(2).mean(dim=-1)  # [N, groups]
         is_better = err < best_err
         best_err = torch.where(is_better, err, best_err)

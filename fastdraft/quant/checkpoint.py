@@ -19,7 +19,6 @@ from torch import nn
 from fastdraft.fileio import atomic_dir
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
-from fastdraft.quant.format import resolve_group_size
 from fastdraft.quant.linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.quantizer import LAYER_LINEARS, replace_module
 
@@ -45,16 +44,13 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
     for idx, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             linear: nn.Linear = layer.get_submodule(name)
-            bits, group_size, sym = config.layer_format(idx, num_layers, name)
-            group = resolve_group_size(group_size, linear.in_features)
-            replace_module(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, bits, group,
-                                                    sym, linear.bias is not None))
+            fmt = config.layer_format(idx, num_layers, name)
+            replace_module(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, fmt,
+                                                          linear.bias is not None))
     head_format = config.head_format()
     if head_format is not None:
-        bits, group_size, sym = head_format
         head = model.lm_head
-        model.lm_head = QuantLinear.empty(head.in_features, head.out_features, bits,
-                                          resolve_group_size(group_size, head.in_features), sym, False)
+        model.lm_head = QuantLinear.empty(head.in_features, head.out_features, head_format, False)
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype)

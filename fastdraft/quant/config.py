@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES
+from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES, WeightFormat
 
 METHODS = ("rtn", "gptq", "awq")
 
@@ -38,6 +38,9 @@ class QuantConfig:
     bits: int = 4
     group_size: int = 128  # 32..1024, or -1 for per channel
     sym: bool = True
+    # Asymmetric INT4 only: fractional float16 zero points (llama.cpp Q4_1/Q4_K, ipex-llm
+    # asym_int4) instead of integers 0..15 (GPTQ/AWQ checkpoints); see quant/format.py.
+    float_zeros: bool = False
     act_order: bool = False  # GPTQ only: quantize columns by decreasing Hessian diagonal
     damp_percent: float = 0.01  # GPTQ: diagonal dampening, fraction of mean(diag(H))
     # AWQ: also search a per-group clipping range after scaling. Off by default: on
@@ -63,6 +66,8 @@ class QuantConfig:
                              f"got {self.group_size}")
         if self.bits == 8 and not self.sym:
             raise ValueError("INT8 weight-only quantization is symmetric only")
+        if self.float_zeros and (self.sym or self.bits != 4):
+            raise ValueError("float_zeros applies to asymmetric INT4 only (sym=false, bits=4)")
         if self.act_order and self.method != "gptq":
             raise ValueError("act_order applies to GPTQ only")
         if self.awq_clip and self.method != "awq":
@@ -85,35 +90,36 @@ class QuantConfig:
     @property
     def label(self) -> str:
         group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
-        kind = "sym" if self.sym else "asym"
+        kind = "sym" if self.sym else ("asymf" if self.float_zeros else "asym")
         extra = ("-actorder" if self.act_order else "") + ("-clip" if self.awq_clip else "")
         extra += "-mix8" if self.sensitive_bits == 8 else ""
         extra += "-head4" if self.lm_head_bits == 4 else ""
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
 
-    def layer_format(self, layer_idx: int, num_layers: int, name: str) -> tuple[int, int, bool]:
-        """(bits, group_size, sym) for linear ``name`` of decoder layer ``layer_idx``."""
+    def layer_format(self, layer_idx: int, num_layers: int, name: str) -> WeightFormat:
+        """The format of linear ``name`` of decoder layer ``layer_idx``."""
         if self.sensitive_bits == 8 and name in SENSITIVE_LINEARS and _q4_k_m_more_bits(layer_idx, num_layers):
-            return 8, PER_CHANNEL, True
-        return self.bits, self.group_size, self.sym
+            return WeightFormat(8, PER_CHANNEL, True)
+        return WeightFormat(self.bits, self.group_size, self.sym, self.float_zeros)
 
-    def head_format(self) -> tuple[int, int, bool] | None:
-        """(bits, group_size, sym) of the LM head, or None to keep it unquantized."""
+    def head_format(self) -> WeightFormat | None:
+        """The LM head's format, or None to keep it unquantized."""
         if self.lm_head_bits == 16:
             return None
         if self.lm_head_bits == 8:
-            return 8, PER_CHANNEL, True
-        return 4, self.group_size, self.sym
+            return WeightFormat(8, PER_CHANNEL, True)
+        return WeightFormat(4, self.group_size, self.sym, self.float_zeros)
 
     @classmethod
     def from_low_bit(cls, name: str, group_size: int = 32) -> "QuantConfig":
         """Config for ipex-llm style ``load_in_low_bit`` names (RTN, quantized on the fly).
 
-        As in ipex-llm, ``sym_int4``/``asym_int4`` use blocks of 32 (like llama.cpp Q4_0/Q4_1)."""
+        As in ipex-llm, ``sym_int4``/``asym_int4`` use blocks of 32 (like llama.cpp Q4_0/Q4_1),
+        and ``asym_int4`` stores float zero points, as Q4_1 stores a float minimum."""
         if name == "sym_int4":
             return cls(method="rtn", bits=4, group_size=group_size, sym=True)
         if name == "asym_int4":
-            return cls(method="rtn", bits=4, group_size=group_size, sym=False)
+            return cls(method="rtn", bits=4, group_size=group_size, sym=False, float_zeros=True)
         if name == "int8":
             return cls(method="rtn", bits=8, group_size=PER_CHANNEL, sym=True)
         raise ValueError(f"{name!r} is not a quantized low-bit format; choose from sym_int4, asym_int4, int8")

@@ -11,8 +11,10 @@ A linear weight ``W`` of shape ``[N, K]`` (out_features, in_features) is cut alo
 * ``qweight``: uint8 ``[N, K // 2]``. Byte ``b`` of row ``n`` holds ``q[n, 2b]`` in its low
   nibble (bits 0-3) and ``q[n, 2b + 1]`` in its high nibble (bits 4-7). ``q`` is in 0..15.
 * ``scales``: float16 ``[N, num_groups]``.
-* ``zeros``: uint8 ``[N, num_groups]`` in 0..15 for asymmetric; absent for symmetric, where
-  the zero point is the constant 8.
+* ``zeros``: for asymmetric groups, ``[N, num_groups]``, either uint8 integer zero points in
+  0..15 (as GPTQ/AWQ checkpoints store them) or float16 fractional ones ("float zeros", as
+  llama.cpp's Q4_1/Q4_K and ipex-llm's ``asym_int4`` store a group minimum); absent for
+  symmetric groups, where the zero point is the constant 8.
 
 Dequantization, for every ``n, k`` with ``g = k // G``::
 
@@ -22,6 +24,9 @@ Symmetric groups map the value of largest magnitude ``m`` (with its sign) to ``q
 ``scale = m / -8`` and ``q = clamp(round(w / scale) + 8, 0, 15)`` (llama.cpp's Q4_0 rule,
 which uses all 16 levels). Asymmetric groups use the min/max: ``scale = (max - min) / 15``,
 ``zero = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(w / scale) + zero, 0, 15)``.
+With float zeros the zero point is not rounded: ``zero = fp16(-min / scale)`` and
+``q = clamp(round(w / scale + zero), 0, 15)``, so the group's min and max both land on a
+level (a group already on a 4-bit min/scale grid, like a Q4_K sub-block, is kept exactly).
 
 INT8 (``bits=8``)
 -----------------
@@ -32,6 +37,7 @@ Symmetric only: ``qweight`` is int8 ``[N, K]``, ``scales`` float16 ``[N, num_gro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +45,16 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, 512, 1024)
 PER_CHANNEL = -1  # group_size value meaning one group spanning all of K
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 1e-8  # a group of zeros still needs a non-zero scale
+
+
+class WeightFormat(NamedTuple):
+    """How one weight is quantized: ``bits``, ``group_size`` (-1: per channel), symmetric or
+    not, and for asymmetric INT4 whether zero points are float16 rather than integers."""
+
+    bits: int
+    group_size: int
+    sym: bool
+    float_zeros: bool = False
 
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
@@ -58,7 +74,7 @@ class QuantizedWeight:
 
     qweight: torch.Tensor
     scales: torch.Tensor  # [N, num_groups] float16
-    zeros: torch.Tensor | None  # [N, num_groups] uint8, asymmetric INT4 only
+    zeros: torch.Tensor | None  # [N, num_groups] uint8 or float16, asymmetric INT4 only
     bits: int
     group_size: int  # effective group size (in_features when per-channel)
     in_features: int
@@ -70,6 +86,10 @@ class QuantizedWeight:
     @property
     def is_sym(self) -> bool:
         return self.zeros is None
+
+    @property
+    def has_float_zeros(self) -> bool:
+        return self.zeros is not None and self.zeros.is_floating_point()
 
     @property
     def num_bytes(self) -> int:
@@ -91,8 +111,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def int4_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32."""
+def int4_params(w: torch.Tensor, sym: bool, float_zeros: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32.
+    Float zeros come back rounded to their stored float16 (the scale is rounded by callers)."""
     if sym:
         idx = w.abs().argmax(dim=-1, keepdim=True)
         signed_max = w.gather(-1, idx).squeeze(-1)
@@ -101,21 +122,33 @@ def int4_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]
         return scale, torch.full_like(scale, 8.0)
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
     scale = ((w_max - w_min) / 15.0).clamp(min=_MIN_SCALE)
+    if float_zeros:
+        # The stored fp16 scale's zero: then -min / scale is computed against what dequantizes.
+        stored = scale.to(SCALE_DTYPE).float()  # may underflow to 0 for an all-zero group
+        zero = torch.where(stored > 0, -w_min / stored, torch.zeros_like(w_min))
+        return scale, zero.clamp(0, 15).to(SCALE_DTYPE).float()
     zero = torch.round(-w_min / scale).clamp(0, 15)
     return scale, zero
 
 
-def quantize_int4_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """q = clamp(round(w / scale) + zero, 0, 15) with scale/zero broadcast over the last dim."""
+def quantize_int4_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                         float_zeros: bool = False) -> torch.Tensor:
+    """q = clamp(round(w / scale) + zero, 0, 15) (float zeros: round(w / scale + zero)), with
+    scale/zero broadcast over the last dim."""
+    if float_zeros:
+        return torch.clamp(torch.round(w / scale.unsqueeze(-1) + zero.unsqueeze(-1)), 0, 15)
     return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, 15)
 
 
-def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+             float_zeros: bool = False) -> QuantizedWeight:
     """Round-to-nearest reference quantizer for a ``[N, K]`` weight."""
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if float_zeros and (sym or bits != 4):
+        raise ValueError("float zero points apply to asymmetric INT4 only")
     n, k = weight.shape
     g = resolve_group_size(group_size, k)
     w = weight.detach().float().reshape(n, k // g, g)  # [N, num_groups, G]
@@ -125,11 +158,11 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
         scale = (w.abs().amax(dim=-1) / 127.0).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
         q = torch.clamp(torch.round(w / scale.float().unsqueeze(-1)), -127, 127).to(torch.int8)
         return QuantizedWeight(q.reshape(n, k), scale, None, 8, g, k)
-    scale, zero = int4_params(w, sym)
+    scale, zero = int4_params(w, sym, float_zeros)
     # Round the scale to its stored precision first, so q is computed against the real scale.
     scale = scale.to(SCALE_DTYPE)
-    q = quantize_int4_values(w, scale.float(), zero).to(torch.uint8).reshape(n, k)
-    zeros = None if sym else zero.to(torch.uint8)
+    q = quantize_int4_values(w, scale.float(), zero, float_zeros).to(torch.uint8).reshape(n, k)
+    zeros = None if sym else zero.to(SCALE_DTYPE if float_zeros else torch.uint8)
     return QuantizedWeight(pack_int4(q), scale, zeros, 4, g, k)
 
 

@@ -16,6 +16,7 @@ from fastdraft.quant.format import (
     SCALE_DTYPE,
     QuantizedWeight,
     int4_params,
+    quantize_int4_values,
     pack_int4,
     resolve_group_size,
 )
@@ -37,15 +38,19 @@ class HessianAccumulator:
         self.hessian.addmm_(x.t(), x)
 
 
-def _group_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_params(w: torch.Tensor, sym: bool, float_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16-rounded scale and zero of ``w`` [N, G] -> ([N], [N]) as used by the canonical dequant."""
-    scale, zero = int4_params(w.unsqueeze(1), sym)
+    scale, zero = int4_params(w.unsqueeze(1), sym, float_zeros)
     return scale.squeeze(1).to(SCALE_DTYPE).float(), zero.squeeze(1)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, sym: bool = True,
-                  act_order: bool = False, damp_percent: float = 0.01, block_size: int = 128) -> QuantizedWeight:
-    """GPTQ-quantize ``weight`` [N, K] to INT4 given the input Hessian [K, K]."""
+                  act_order: bool = False, damp_percent: float = 0.01, float_zeros: bool = False,
+                  block_size: int = 128) -> QuantizedWeight:
+    """GPTQ-quantize ``weight`` [N, K] to INT4 given the input Hessian [K, K]; ``float_zeros``
+    stores fractional float16 zero points (asymmetric only, see quant/format.py)."""
+    if float_zeros and sym:
+        raise ValueError("float zero points apply to asymmetric INT4 only")
     W = weight.detach().float().clone()  # [N, K]
     n, k = W.shape
     g = resolve_group_size(group_size, k)
@@ -60,7 +65,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
     if act_order:
         # Static groups: parameters from the original weights, in original column order.
         for gi in range(num_groups):
-            scales[:, gi], zeros[:, gi] = _group_params(W[:, gi * g:(gi + 1) * g], sym)
+            scales[:, gi], zeros[:, gi] = _group_params(W[:, gi * g:(gi + 1) * g], sym, float_zeros)
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     else:
@@ -85,10 +90,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
                 # never straddle a block boundary unless g > block_size, in which case they
                 # start on one, where W[:, i1:] is already fully updated.
                 group_w = W1[:, i:i + g] if i + g <= i2 - i1 else W[:, i1 + i:i1 + i + g]
-                scales[:, gi], zeros[:, gi] = _group_params(group_w, sym)
+                scales[:, gi], zeros[:, gi] = _group_params(group_w, sym, float_zeros)
             w = W1[:, i]
             scale, zero = scales[:, gi], zeros[:, gi]
-            q = torch.clamp(torch.round(w / scale) + zero, 0, 15)
+            q = quantize_int4_values(w.unsqueeze(-1), scale, zero, float_zeros).squeeze(-1)
             Q[:, i1 + i] = q
             err = (w - (q - zero) * scale) / Hinv1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
@@ -97,5 +102,5 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
 
     if act_order:
         Q = Q[:, torch.argsort(perm)]
-    zeros_out = None if sym else zeros.to(torch.uint8)
+    zeros_out = None if sym else zeros.to(SCALE_DTYPE if float_zeros else torch.uint8)
     return QuantizedWeight(pack_int4(Q.to(torch.uint8)), scales.to(SCALE_DTYPE), zeros_out, 4, g, k)

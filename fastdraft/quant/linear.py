@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdraft.kernels import WeightOnlyKernel, kernel_class, select_kernel
-from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight
+from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight, WeightFormat, resolve_group_size
 
 
 class QuantLinear(nn.Module):
@@ -32,18 +32,20 @@ class QuantLinear(nn.Module):
         self._kernel_key: tuple | None = None
 
     @classmethod
-    def empty(cls, in_features: int, out_features: int, bits: int, group_size: int, sym: bool,
-              has_bias: bool, device: torch.device | str = "meta") -> "QuantLinear":
+    def empty(cls, in_features: int, out_features: int, fmt: WeightFormat, has_bias: bool,
+              device: torch.device | str = "meta") -> "QuantLinear":
         """A placeholder with the right tensor shapes, to be filled by ``load_state_dict``."""
+        group_size = resolve_group_size(fmt.group_size, in_features)
         num_groups = in_features // group_size
-        if bits == 4:
+        if fmt.bits == 4:
             qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
         else:
             qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
         scales = torch.empty(out_features, num_groups, dtype=SCALE_DTYPE, device=device)
-        zeros = None if sym else torch.empty(out_features, num_groups, dtype=torch.uint8, device=device)
+        zero_dtype = SCALE_DTYPE if fmt.float_zeros else torch.uint8
+        zeros = None if fmt.sym else torch.empty(out_features, num_groups, dtype=zero_dtype, device=device)
         bias = torch.empty(out_features, device=device) if has_bias else None
-        return cls(QuantizedWeight(qweight, scales, zeros, bits, group_size, in_features), bias)
+        return cls(QuantizedWeight(qweight, scales, zeros, fmt.bits, group_size, in_features), bias)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:

@@ -18,7 +18,7 @@ from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fastdraft.quant import awq
 from fastdraft.quant.config import QuantConfig
-from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, quantize
+from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
 from fastdraft.quant.linear import QuantEmbedding, QuantLinear, exact_min_rows
 
@@ -69,9 +69,8 @@ def _quant_linear(linear: nn.Linear, qw: QuantizedWeight) -> QuantLinear:
     return QuantLinear(qw, bias)
 
 
-def _rtn(weight: torch.Tensor, fmt: tuple[int, int, bool]) -> QuantizedWeight:
-    bits, group_size, sym = fmt
-    return quantize(weight, bits, group_size, sym)
+def _rtn(weight: torch.Tensor, fmt: WeightFormat) -> QuantizedWeight:
+    return quantize(weight, *fmt)
 
 
 def _quantize_layer_rtn(layer: LlamaDecoderLayer, config: QuantConfig, num_layers: int) -> None:
@@ -93,7 +92,7 @@ def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, con
             qw = _rtn(linear.weight, fmt)
         else:
             qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
-                               config.act_order, config.damp_percent)
+                               config.act_order, config.damp_percent, config.float_zeros)
         replace_module(layer, name, _quant_linear(linear, qw))
 
 
@@ -122,7 +121,8 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
     scaled_inputs: dict[str, torch.Tensor] = {"self_attn.o_proj": x["self_attn.o_proj"]}
     for prev, names, input_name in groups:
         linears = [layer.get_submodule(n) for n in names]
-        scales = awq.search_scales(x[input_name], [lin.weight for lin in linears], config.group_size, config.sym)
+        scales = awq.search_scales(x[input_name], [lin.weight for lin in linears], config.group_size, config.sym,
+                                   config.float_zeros)
         awq.fold_scales(prev, linears, scales)
         for n in names:  # after folding, these linears see x / s
             scaled_inputs[n] = x[input_name] / scales
@@ -131,7 +131,7 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         weight = linear.weight
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
         if config.awq_clip and fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
-            weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym)
+            weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym, config.float_zeros)
         replace_module(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
 
 
@@ -163,9 +163,8 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
 def _quantize_head_and_embeddings(model: LlamaForCausalLM, config: QuantConfig) -> None:
     head_format = config.head_format()
     if head_format is not None:
-        bits, group_size, sym = head_format
         head = model.lm_head
-        model.lm_head = _quant_linear(head, quantize(head.weight, bits, group_size, sym=sym))
+        model.lm_head = _quant_linear(head, quantize(head.weight, *head_format))
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True), embed.weight.dtype)

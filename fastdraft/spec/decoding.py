@@ -63,6 +63,18 @@ class SpecMetrics:
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
 
+    def merge(self, other: "SpecMetrics") -> None:
+        """Add ``other``'s counts and times to these (e.g. totals over several requests)."""
+        for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+                     "num_plain_steps", "draft_time_s", "verify_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for i, (accepted, proposed) in enumerate(zip(other.accepted_per_position, other.proposed_per_position)):
+            if i == len(self.proposed_per_position):
+                self.proposed_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.proposed_per_position[i] += proposed
+            self.accepted_per_position[i] += accepted
+
     def summary(self) -> str:
         per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
         return (f"acceptance {self.acceptance_rate * 100:.1f}% | mean accepted length "

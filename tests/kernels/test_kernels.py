@@ -30,13 +30,13 @@ def _check(kernel_name, qw, m, dtype):
 
 @pytest.mark.parametrize("kernel_name", INT4_KERNELS)
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512, 1024, PER_CHANNEL])
-@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scheme", ["sym", "asym", "asymf"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int4_kernels_match_reference(kernel_name, group_size, sym, shape):
+def test_int4_kernels_match_reference(kernel_name, group_size, scheme, shape):
     n, k = shape
     if group_size != PER_CHANNEL and k % group_size:
         pytest.skip("group size does not divide in_features")
-    qw = quantize(torch.randn(n, k), 4, group_size, sym)
+    qw = quantize(torch.randn(n, k), 4, group_size, sym=scheme == "sym", float_zeros=scheme == "asymf")
     if not KERNELS[kernel_name].supports(qw, torch.float32, torch.device("cpu")):
         pytest.skip(f"{kernel_name} does not support this weight")
     for m in (1, 2, 7, 64):

@@ -21,16 +21,16 @@ def _weights():
         for g in (32, 64, 128, 256, 512, 1024, PER_CHANNEL):
             if g != PER_CHANNEL and k % g:
                 continue
-            for bits, sym in ((4, True), (4, False), (8, True)):
+            for bits, scheme in ((4, "sym"), (4, "asym"), (4, "asymf"), (8, "sym")):
                 if bits == 8 and g != PER_CHANNEL and g not in (32, 128):
                     continue
-                yield pytest.param(n, k, g, bits, sym, id=f"{n}x{k}-g{g}-int{bits}-{'sym' if sym else 'asym'}")
+                yield pytest.param(n, k, g, bits, scheme, id=f"{n}x{k}-g{g}-int{bits}-{scheme}")
 
 
-@pytest.mark.parametrize("n,k,group_size,bits,sym", list(_weights()))
-def test_vnni_matches_twin_and_dense(n, k, group_size, bits, sym):
+@pytest.mark.parametrize("n,k,group_size,bits,scheme", list(_weights()))
+def test_vnni_matches_twin_and_dense(n, k, group_size, bits, scheme):
     torch.manual_seed(n + k)
-    qw = quantize(torch.randn(n, k), bits, group_size, sym)
+    qw = quantize(torch.randn(n, k), bits, group_size, sym=scheme == "sym", float_zeros=scheme == "asymf")
     kernel = X86WoqKernel(qw, torch.float32, CPU, large_m=None)
     dense = dequantize(qw)
     for m in (1, 2, 3, 5, 8, 9, 33):
@@ -55,9 +55,9 @@ def test_rows_are_bit_identical_whatever_the_row_count(bits, sym):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sym", [True, False])
-def test_large_m_path_dequantizes_exactly(dtype, sym):
-    qw = quantize(torch.randn(50, 320), 4, 64, sym)
+@pytest.mark.parametrize("scheme", ["sym", "asym", "asymf"])
+def test_large_m_path_dequantizes_exactly(dtype, scheme):
+    qw = quantize(torch.randn(50, 320), 4, 64, sym=scheme == "sym", float_zeros=scheme == "asymf")
     kernel = X86WoqKernel(qw, dtype, CPU, large_m=4)
     assert torch.equal(kernel.dense_weight(torch.float32), dequantize(qw))
     x = torch.randn(6, 320).to(dtype)

@@ -68,7 +68,7 @@ def test_report_says_clearly_when_nothing_meets_the_target():
 def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path, monkeypatch):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
-    space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32, -1), syms=(True, False), max_loss=0.5,
+    space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32, -1), schemes=("sym", "asym"), max_loss=0.5,
                             num_calib_samples=4, calib_seq_len=32, num_decode_tokens=4)
     result, best_model = auto_quantize(loaded, space, show_progress=False, report_dir=tmp_path / "partial")
     assert len(result.candidates) == 8

@@ -17,11 +17,11 @@ GROUPS = [*SUPPORTED_GROUP_SIZES, PER_CHANNEL]
 
 
 @pytest.mark.parametrize("group_size", GROUPS)
-@pytest.mark.parametrize("sym", [True, False])
-def test_int4_round_trip_error_is_within_half_a_step(group_size, sym):
+@pytest.mark.parametrize("scheme", ["sym", "asym", "asymf"])
+def test_int4_round_trip_error_is_within_half_a_step(group_size, scheme):
     torch.manual_seed(0)
     w = torch.randn(48, 2048) * torch.rand(48, 1) * 3  # rows of different magnitude
-    qw = quantize(w, bits=4, group_size=group_size, sym=sym)
+    qw = quantize(w, bits=4, group_size=group_size, sym=scheme == "sym", float_zeros=scheme == "asymf")
     g = 2048 if group_size == PER_CHANNEL else group_size
     err = (dequantize(qw) - w).abs().view(48, 2048 // g, g)
     step = qw.scales.float().abs().unsqueeze(-1)  # [N, groups, 1]
@@ -31,6 +31,28 @@ def test_int4_round_trip_error_is_within_half_a_step(group_size, sym):
     assert (err <= 0.5 * step * (1 + 1e-3) + 1e-6).float().mean() > 0.99
     # ...and it is a real quantizer: typical error is a fraction of a step, not zero.
     assert 0.15 < (err / step).mean() < 0.4
+
+
+@pytest.mark.parametrize("group_size", [32, 128, PER_CHANNEL])
+def test_float_zeros_keep_a_min_scale_grid_exactly(group_size):
+    # A weight already on a 4-bit grid w = s * q - m per group (a Q4_K sub-block, q spanning
+    # 0..15): float zeros put min and max on levels 0 and 15 and recover it to fp16 precision;
+    # integer zeros must round -m / s and shift the whole group.
+    torch.manual_seed(1)
+    n, k = 32, 1024
+    g = k if group_size == PER_CHANNEL else group_size
+    q = torch.randint(0, 16, (n, k // g, g)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    s = torch.rand(n, k // g, 1) * 0.02 + 0.001
+    m = torch.rand(n, k // g, 1) * 15 * s
+    w = (s * q - m).reshape(n, k)
+    step = s.expand(-1, -1, g).reshape(n, k)
+    err_float = ((dequantize(quantize(w, 4, group_size, sym=False, float_zeros=True)) - w).abs() / step).max()
+    err_int = ((dequantize(quantize(w, 4, group_size, sym=False)) - w).abs() / step).mean()
+    assert err_float < 0.02  # fp16 rounding of scale and zero, not quantization error
+    assert err_int > 0.1
+    qw = quantize(w, 4, group_size, sym=False, float_zeros=True)
+    assert qw.zeros.dtype == torch.float16 and qw.has_float_zeros and not qw.is_sym
 
 
 @pytest.mark.parametrize("group_size", GROUPS)
@@ -75,8 +97,9 @@ def test_symmetric_uses_the_full_signed_range():
     assert dequantize(qw)[0, 0].item() == pytest.approx(-4.0, rel=1e-3)
 
 
-def test_zero_weights_do_not_divide_by_zero():
-    qw = quantize(torch.zeros(4, 64), 4, 32, sym=False)
+@pytest.mark.parametrize("float_zeros", [False, True])
+def test_zero_weights_do_not_divide_by_zero(float_zeros):
+    qw = quantize(torch.zeros(4, 64), 4, 32, sym=False, float_zeros=float_zeros)
     assert torch.all(dequantize(qw) == 0)
 
 
@@ -87,6 +110,7 @@ def test_zero_weights_do_not_divide_by_zero():
     ({"bits": 8, "sym": False}, "symmetric"),
     ({"method": "rtn", "act_order": True}, "act_order"),
     ({"lm_head_bits": 2}, "lm_head_bits"),
+    ({"sym": True, "float_zeros": True}, "float_zeros"),
 ])
 def test_bad_configs_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

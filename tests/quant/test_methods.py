@@ -23,17 +23,22 @@ def _output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> floa
     return (x @ w_hat.t() - x @ w.t()).pow(2).mean().item()
 
 
+SCHEMES = {"sym": (True, False), "asym": (False, False), "asymf": (False, True)}  # (sym, float_zeros)
+
+
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_beats_rtn(group_size, sym, act_order):
+def test_gptq_beats_rtn(group_size, scheme, act_order):
+    sym, float_zeros = SCHEMES[scheme]
     x, w = _outlier_layer()
     acc = HessianAccumulator(w.shape[1])
     for chunk in x.split(512):
         acc.add(chunk)
-    rtn = _output_error(x, w, dequantize(quantize(w, 4, group_size, sym)))
-    gptq = _output_error(x, w, dequantize(gptq_quantize(w, acc.hessian, group_size, sym, act_order)))
-    assert gptq < 0.8 * rtn
+    rtn = _output_error(x, w, dequantize(quantize(w, 4, group_size, sym, float_zeros)))
+    qw = gptq_quantize(w, acc.hessian, group_size, sym, act_order, float_zeros=float_zeros)
+    assert qw.has_float_zeros == float_zeros
+    assert _output_error(x, w, dequantize(qw)) < 0.8 * rtn
 
 
 def test_hessian_accumulator_matches_direct_formula():
@@ -45,13 +50,14 @@ def test_hessian_accumulator_matches_direct_formula():
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("sym", [True, False])
-def test_awq_beats_rtn(group_size, sym):
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_awq_beats_rtn(group_size, scheme):
+    sym, float_zeros = SCHEMES[scheme]
     x, w = _outlier_layer(seed=1)
-    rtn = _output_error(x, w, dequantize(quantize(w, 4, group_size, sym)))
-    scales = awq.search_scales(x, [w], group_size, sym)
-    w_scaled = awq.search_clip(x / scales, w * scales, group_size, sym)
-    w_awq = dequantize(quantize(w_scaled, 4, group_size, sym)) / scales
+    rtn = _output_error(x, w, dequantize(quantize(w, 4, group_size, sym, float_zeros)))
+    scales = awq.search_scales(x, [w], group_size, sym, float_zeros)
+    w_scaled = awq.search_clip(x / scales, w * scales, group_size, sym, float_zeros)
+    w_awq = dequantize(quantize(w_scaled, 4, group_size, sym, float_zeros)) / scales
     assert _output_error(x, w, w_awq) < 0.8 * rtn
 
 

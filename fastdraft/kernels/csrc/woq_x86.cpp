@@ -5,7 +5,8 @@
 //            4 bytes per chunk, so one 64-byte load feeds one vpdpbusd across 16 rows.
 //            INT4 chunk = 8 input channels: byte j holds k = 8c + j (low nibble) and
 //            k = 8c + 4 + j (high nibble). INT8 chunk = 4 channels, stored as q + 128.
-//   scales   fp16 [num_tiles, num_groups, 16]; zeros uint8 [num_tiles, num_groups, 16] (asym).
+//   scales   fp16 [num_tiles, num_groups, 16]; zeros [num_tiles, num_groups, 16] (asym), uint8
+//            integers or fp16 fractional zero points ("float zeros").
 //
 // Decode math: activations are quantized per block of `block` channels to int8 (scale =
 // absmax / 127), so each block is an exact int32 dot product (u8 weights x s8 activations)
@@ -55,6 +56,25 @@ inline __mmask16 tail_mask(int64_t remaining) {
   if (remaining >= 16) return 0xffff;
   if (remaining <= 0) return 0;
   return static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// Asymmetric zero points of one weight: uint8 integers or fp16 fractions (one is set).
+struct Zeros {
+  const uint8_t* u8 = nullptr;
+  const at::Half* f16 = nullptr;
+
+  Zeros offset(int64_t i) const { return Zeros{u8 ? u8 + i : nullptr, f16 ? f16 + i : nullptr}; }
+  __m512 load16(int64_t i) const {  // zeros i..i+15 as floats
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f16 + i)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u8 + i))));
+  }
+  float at(int64_t i) const { return f16 ? static_cast<float>(f16[i]) : static_cast<float>(u8[i]); }
+};
+
+Zeros zeros_of(const torch::Tensor& zeros) {
+  if (!zeros.defined() || zeros.numel() == 0) return Zeros{};
+  if (zeros.scalar_type() == at::kHalf) return Zeros{nullptr, zeros.data_ptr<at::Half>()};
+  return Zeros{zeros.data_ptr<uint8_t>(), nullptr};
 }
 
 template <typename T>
@@ -110,7 +130,7 @@ Activations quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t 
 
 // One weight tile (16 output rows) against ROWS activation rows.
 template <int BITS, int ROWS, bool ASYM, typename T>
-void tile_kernel(const uint8_t* w, const at::Half* scales, const uint8_t* zeros, float zero_const,
+void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float zero_const,
                  const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
                  T* out, int64_t ldo, __mmask16 out_mask) {
   // Independent int32 accumulator chains per row hide vpdpbusd latency when rows are few;
@@ -179,8 +199,7 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, const uint8_t* zeros,
     const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kTile)));
     __m512 zw;
     if constexpr (ASYM) {
-      const __m128i z8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + g * kTile));
-      zw = _mm512_mul_ps(ws, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z8)));
+      zw = _mm512_mul_ps(ws, zeros.load16(g * kTile));
     } else {
       zw = _mm512_mul_ps(ws, _mm512_set1_ps(zero_const));
     }
@@ -193,7 +212,7 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, const uint8_t* zeros,
 }
 
 template <int BITS, bool ASYM, typename T>
-void tile_rows(int rows, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, const Activations& a,
+void tile_rows(int rows, const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a,
                int64_t m0, int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
   switch (rows) {
     case 1: tile_kernel<BITS, 1, ASYM>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask); break;
@@ -208,14 +227,14 @@ void tile_rows(int rows, const uint8_t* w, const at::Half* s, const uint8_t* z, 
 }
 
 template <int BITS, bool ASYM, typename T>
-void gemm(const Activations& a, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, int64_t m,
+void gemm(const Activations& a, const uint8_t* w, const at::Half* s, Zeros z, float zc, int64_t m,
           int64_t n, int64_t block, int64_t group, T* out) {
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   const int64_t tile_bytes = a.k_pad * BITS / 8 * kTile;
   const int64_t bpg = group / block;
   auto run_tile = [&](int64_t t) {
     const __mmask16 mask = tail_mask(n - t * kTile);
-    const uint8_t* zt = ASYM ? z + t * a.num_groups * kTile : nullptr;
+    const Zeros zt = ASYM ? z.offset(t * a.num_groups * kTile) : Zeros{};
     for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - m0));
       tile_rows<BITS, ASYM>(rows, w + t * tile_bytes, s + t * a.num_groups * kTile, zt, zc, a, m0, block, bpg,
@@ -238,7 +257,8 @@ void check_common(const torch::Tensor& packed, const torch::Tensor& scales, cons
   TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.numel() == num_tiles * (k_pad / group) * kTile,
               "scales have the wrong dtype, layout or size");
   TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
-                  (zeros.dtype() == at::kByte && zeros.is_contiguous() && zeros.numel() == scales.numel()),
+                  ((zeros.dtype() == at::kByte || zeros.dtype() == at::kHalf) && zeros.is_contiguous() &&
+                   zeros.numel() == scales.numel()),
               "zeros have the wrong dtype, layout or size");
 }
 
@@ -258,7 +278,7 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   const bool asym = zeros.defined() && zeros.numel() > 0;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
-  const uint8_t* z = asym ? zeros.data_ptr<uint8_t>() : nullptr;
+  const Zeros z = zeros_of(zeros);
   const float zc = static_cast<float>(zero_const);
   auto run = [&](auto* o) {
     if (bits == 4) {
@@ -277,7 +297,7 @@ namespace {
 
 // Row n of one tile, 16 chunks at a time, as 128 (INT4) or 64 (INT8) consecutive uint8 values.
 template <typename T>
-void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, const uint8_t* z, float zc, int64_t k,
+void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, float zc, int64_t k,
                   int64_t k_pad, int64_t group, int64_t rows, T* out) {
   const int64_t chunk_k = bits == 4 ? 8 : 4;
   const int64_t num_chunks = k_pad / chunk_k;
@@ -309,7 +329,7 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, const uint8
         if (kk >= k) break;
         const int64_t g = kk / group;
         const float scale = static_cast<float>(s[g * kTile + r]);
-        const float zero = z ? static_cast<float>(z[g * kTile + r]) : zc;
+        const float zero = (z.u8 || z.f16) ? z.at(g * kTile + r) : zc;
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(vals + p))));
         const __m512 wv = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
         store16(out + r * k + kk, wv, tail_mask(k - kk));
@@ -338,7 +358,7 @@ torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::
       const int64_t rows = std::min<int64_t>(kTile, n - t * kTile);
       const uint8_t* w = packed.data_ptr<uint8_t>() + t * tile_bytes;
       const at::Half* s = scales.data_ptr<at::Half>() + t * num_groups * kTile;
-      const uint8_t* z = asym ? zeros.data_ptr<uint8_t>() + t * num_groups * kTile : nullptr;
+      const Zeros z = asym ? zeros_of(zeros).offset(t * num_groups * kTile) : Zeros{};
       if (dtype == at::kFloat)
         dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, rows,
                      out.data_ptr<float>() + t * kTile * k);
