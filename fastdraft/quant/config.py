@@ -15,9 +15,16 @@ SENSITIVE_LINEARS = ("self_attn.v_proj", "mlp.down_proj")
 
 
 def _q4_k_m_more_bits(layer_idx: int, num_layers: int) -> bool:
-    """llama.cpp's ``use_more_bits`` rule for Q4_K_M."""
+    """The layers whose v_proj/down_proj llama.cpp's Q4_K_M keeps at 6 bits.
+
+    llama.cpp applies ``use_more_bits(i) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`` to the
+    i-th such tensor in file order, and a GGUF converted from HF stores tensors in name order
+    (blk.0, blk.1, blk.10, blk.11, ...): the rule's i is the rank of the layer's name, not its
+    index. (Checked against Qwen2.5-Coder-1.5B-Instruct's Q4_K_M file: Q6_K in exactly layers
+    0, 1, 5-10, 13, 16, 19, 21, 24, 27.)"""
+    rank = sorted(range(num_layers), key=str).index(layer_idx)
     eighth = num_layers // 8
-    return layer_idx < eighth or layer_idx >= 7 * num_layers // 8 or (layer_idx - eighth) % 3 == 2
+    return rank < eighth or rank >= 7 * num_layers // 8 or (rank - eighth) % 3 == 2
 
 
 # ipex-llm's ``load_in_low_bit`` names.

@@ -25,8 +25,9 @@ Symmetric groups map the value of largest magnitude ``m`` (with its sign) to ``q
 which uses all 16 levels). Asymmetric groups use the min/max: ``scale = (max - min) / 15``,
 ``zero = clamp(round(-min / scale), 0, 15)``, ``q = clamp(round(w / scale) + zero, 0, 15)``.
 With float zeros the zero point is not rounded: ``zero = fp16(-min / scale)`` and
-``q = clamp(round(w / scale + zero), 0, 15)``, so the group's min and max both land on a
-level (a group already on a 4-bit min/scale grid, like a Q4_K sub-block, is kept exactly).
+``q = clamp(round(w / scale + zero), 0, 15)``, so the group's min lands on a level; the scale
+is ``(max - min) / L`` for the ``L`` in 9..15 with the least squared error, so a group already
+on a 4-bit min/scale grid (a Q4_K sub-block) is kept exactly.
 
 INT8 (``bits=8``)
 -----------------
@@ -121,14 +122,37 @@ def int4_params(w: torch.Tensor, sym: bool, float_zeros: bool = False) -> tuple[
         scale = torch.where(scale.abs() < _MIN_SCALE, torch.full_like(scale, _MIN_SCALE), scale)
         return scale, torch.full_like(scale, 8.0)
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((w_max - w_min) / 15.0).clamp(min=_MIN_SCALE)
     if float_zeros:
-        # The stored fp16 scale's zero: then -min / scale is computed against what dequantizes.
-        stored = scale.to(SCALE_DTYPE).float()  # may underflow to 0 for an all-zero group
-        zero = torch.where(stored > 0, -w_min / stored, torch.zeros_like(w_min))
-        return scale, zero.clamp(0, 15).to(SCALE_DTYPE).float()
+        return _float_zero_params(w, w_min, w_max)
+    scale = ((w_max - w_min) / 15.0).clamp(min=_MIN_SCALE)
     zero = torch.round(-w_min / scale).clamp(0, 15)
     return scale, zero
+
+
+# Float zeros try a group's range over this many levels and keep the least squared error: a
+# group already on a 4-bit grid whose codes span fewer than 16 levels (common in Q4_K files)
+# is then recovered exactly, as llama.cpp's k-quant search would find it.
+_FLOAT_ZERO_LEVELS = (15, 14, 13, 12, 11, 10, 9)
+
+
+def _float_zero_params(w: torch.Tensor, w_min: torch.Tensor, w_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    best_scale = best_zero = best_err = None
+    for levels in _FLOAT_ZERO_LEVELS:
+        scale = ((w_max - w_min) / levels).clamp(min=_MIN_SCALE)
+        stored = scale.to(SCALE_DTYPE).float()  # may underflow to 0 for an all-zero group
+        # The zero against the stored scale, so min lands on level 0 of what dequantizes.
+        zero = torch.where(stored > 0, -w_min / stored, torch.zeros_like(w_min)).clamp(0, 15)
+        zero = zero.to(SCALE_DTYPE).float()
+        q = quantize_int4_values(w, stored, zero, float_zeros=True)
+        err = ((q - zero.unsqueeze(-1)) * stored.unsqueeze(-1) - w).pow(2).sum(-1)
+        if best_err is None:
+            best_scale, best_zero, best_err = scale, zero, err
+        else:
+            is_better = err < best_err
+            best_scale = torch.where(is_better, scale, best_scale)
+            best_zero = torch.where(is_better, zero, best_zero)
+            best_err = torch.where(is_better, err, best_err)
+    return best_scale, best_zero
 
 
 def quantize_int4_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

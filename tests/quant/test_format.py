@@ -41,8 +41,10 @@ def test_float_zeros_keep_a_min_scale_grid_exactly(group_size):
     torch.manual_seed(1)
     n, k = 32, 1024
     g = k if group_size == PER_CHANNEL else group_size
-    q = torch.randint(0, 16, (n, k // g, g)).float()
-    q[..., 0], q[..., 1] = 0, 15
+    # Codes spanning all 16 levels in half the groups and only 0..11 in the others.
+    top = torch.where(torch.rand(n, k // g, 1) < 0.5, 15, 11)
+    q = torch.floor(torch.rand(n, k // g, g) * (top + 1)).float()
+    q[..., :1], q[..., 1:2] = 0, top.float()
     s = torch.rand(n, k // g, 1) * 0.02 + 0.001
     m = torch.rand(n, k // g, 1) * 15 * s
     w = (s * q - m).reshape(n, k)
@@ -129,3 +131,11 @@ def test_parse_quant_spec():
         parse_quant_spec("group_size=abc")
     with pytest.raises(ValueError):
         parse_quant_spec("unknown_key=1")
+
+
+def test_mixed_precision_layers_follow_llama_cpp_q4_k_m():
+    # The layers Qwen2.5-Coder-1.5B-Instruct's Q4_K_M GGUF stores v_proj/down_proj at Q6_K.
+    config = QuantConfig(sensitive_bits=8)
+    kept = [i for i in range(28) if config.layer_format(i, 28, "mlp.down_proj").bits == 8]
+    assert kept == [0, 1, 5, 6, 7, 8, 9, 10, 13, 16, 19, 21, 24, 27]
+    assert config.layer_format(0, 28, "self_attn.q_proj").bits == 4
