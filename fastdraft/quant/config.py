@@ -99,6 +99,7 @@ class QuantConfig:
         group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         kind = "sym" if self.sym else ("asymf" if self.float_zeros else "asym")
         extra = ("-actorder" if self.act_order else "") + ("-clip" if self.awq_clip else "")
+        extra += f"-damp{self.damp_percent:g}" if self.method == "gptq" and self.damp_percent != 0.01 else ""
         extra += "-mix8" if self.sensitive_bits == 8 else ""
         extra += "-head4" if self.lm_head_bits == 4 else ""
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"

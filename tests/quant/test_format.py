@@ -139,3 +139,9 @@ def test_mixed_precision_layers_follow_llama_cpp_q4_k_m():
     kept = [i for i in range(28) if config.layer_format(i, 28, "mlp.down_proj").bits == 8]
     assert kept == [0, 1, 5, 6, 7, 8, 9, 10, 13, 16, 19, 21, 24, 27]
     assert config.layer_format(0, 28, "self_attn.q_proj").bits == 4
+
+
+def test_labels_name_what_differs():
+    assert QuantConfig(method="gptq", group_size=32, sym=False, float_zeros=True).label == "gptq-int4-g32-asymf"
+    assert QuantConfig(method="gptq", damp_percent=0.1).label == "gptq-int4-g128-sym-damp0.1"
+    assert QuantConfig(method="rtn", sym=False, sensitive_bits=8).label == "rtn-int4-g128-asym-mix8"
