@@ -157,11 +157,11 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     from fastdraft.quant.config import parse_quant_spec
 
     if args.auto:
-        from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
+        from fastdraft.quant.auto import SCHEMES, AutoSearchSpace, auto_quantize, write_report
 
         schemes = tuple(s.strip() for s in args.sym.split(",") if s.strip())
-        if not schemes or not set(schemes) <= {"sym", "asym", "asymf"}:
-            raise CLIError(f"--sym takes a comma list of sym, asym, asymf; got {args.sym!r}")
+        if not schemes or not set(schemes) <= set(SCHEMES):
+            raise CLIError(f"--sym takes a comma list of {', '.join(SCHEMES)}; got {args.sym!r}")
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                                 group_sizes=_int_list(args.group_sizes, "--group-sizes"), schemes=schemes,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],

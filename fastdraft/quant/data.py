@@ -49,6 +49,16 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def calibration_prose_files() -> list[Path]:
+    """The shipped public-domain prose usable for calibration, in a stable order."""
+    return sorted(TEXTS_DIR.glob("calib_*.txt"))
+
+
+def calibration_texts() -> list[str]:
+    """Every calibration text, whole: the stdlib code files, then the calibration prose."""
+    return [_read(p) for p in calibration_code_files() + calibration_prose_files()]
+
+
 @dataclass(frozen=True)
 class EvalText:
     name: str
@@ -70,7 +80,7 @@ def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, se
     """``num_samples`` windows of ``seq_len`` token ids ([1, seq_len] each), drawn
     deterministically from calibration code files and calibration prose."""
     rng = random.Random(seed)
-    prose = [_read(p) for p in sorted(TEXTS_DIR.glob("calib_*.txt"))]
+    prose = [_read(p) for p in calibration_prose_files()]
     code_files = calibration_code_files()
     num_prose = min(round(num_samples * prose_fraction), num_samples) if prose else 0
     samples: list[torch.Tensor] = []

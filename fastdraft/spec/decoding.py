@@ -56,22 +56,24 @@ class SpecMetrics:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
-        while len(self.proposed_per_position) < num_draft:
-            self.proposed_per_position.append(0)
-            self.accepted_per_position.append(0)
+        self._cover_positions(num_draft)
         for i in range(num_draft):
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
+
+    def _cover_positions(self, num_positions: int) -> None:
+        """Grow the per-position counts to at least ``num_positions`` draft positions."""
+        while len(self.proposed_per_position) < num_positions:
+            self.proposed_per_position.append(0)
+            self.accepted_per_position.append(0)
 
     def merge(self, other: "SpecMetrics") -> None:
         """Add ``other``'s counts and times to these (e.g. totals over several requests)."""
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
                      "num_plain_steps", "draft_time_s", "verify_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._cover_positions(len(other.proposed_per_position))
         for i, (accepted, proposed) in enumerate(zip(other.accepted_per_position, other.proposed_per_position)):
-            if i == len(self.proposed_per_position):
-                self.proposed_per_position.append(0)
-                self.accepted_per_position.append(0)
             self.proposed_per_position[i] += proposed
             self.accepted_per_position[i] += accepted
 

@@ -33,10 +33,9 @@ logger = logging.getLogger(__name__)
 
 def corpus_texts() -> list[str]:
     """The ranking corpus: the calibration texts (never the held-out evaluation texts)."""
-    from fastdraft.quant.data import TEXTS_DIR, calibration_code_files
+    from fastdraft.quant.data import calibration_texts
 
-    paths = calibration_code_files() + sorted(TEXTS_DIR.glob("calib_*.txt"))
-    return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    return calibration_texts()
 
 
 def token_counts(tokenizer: Tokenizer, texts: list[str]) -> Counter:
@@ -90,10 +89,11 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
     if type(head) is not nn.Linear:
         raise ValueError(f"only a dense LM head can be restricted, not {type(head).__name__}")
     weight = head.weight.detach()  # [vocab_size, hidden_size]
-    small = nn.Linear(weight.shape[1], len(token_ids), bias=head.bias is not None,
+    rows = token_ids.to(weight.device)
+    small = nn.Linear(weight.shape[1], len(rows), bias=head.bias is not None,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        small.weight.copy_(weight[token_ids.to(weight.device)])
+        small.weight.copy_(weight[rows])
         if head.bias is not None:
-            small.bias.copy_(head.bias.detach()[token_ids.to(weight.device)])
+            small.bias.copy_(head.bias.detach()[rows])
     model.lm_head = small

@@ -394,6 +394,8 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
       __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
       if (is_bf16) {
         e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
+        // e is already bf16-valued: store its top halves (store16 would round a second time,
+        // measured about 1.1x slower for a 5-token verification).
         _mm256_mask_storeu_epi16(probs_bf16.data() + r * 2 * num_pairs + l, mk,
                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(e), 16)));
       } else {

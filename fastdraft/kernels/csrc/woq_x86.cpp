@@ -63,6 +63,7 @@ struct Zeros {
   const uint8_t* u8 = nullptr;
   const at::Half* f16 = nullptr;
 
+  bool is_set() const { return u8 || f16; }
   Zeros offset(int64_t i) const { return Zeros{u8 ? u8 + i : nullptr, f16 ? f16 + i : nullptr}; }
   __m512 load16(int64_t i) const {  // zeros i..i+15 as floats
     if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f16 + i)));
@@ -71,6 +72,7 @@ struct Zeros {
   float at(int64_t i) const { return f16 ? static_cast<float>(f16[i]) : static_cast<float>(u8[i]); }
 };
 
+// Unset (symmetric, or INT8) when ``zeros`` is undefined or empty.
 Zeros zeros_of(const torch::Tensor& zeros) {
   if (!zeros.defined() || zeros.numel() == 0) return Zeros{};
   if (zeros.scalar_type() == at::kHalf) return Zeros{nullptr, zeros.data_ptr<at::Half>()};
@@ -234,7 +236,7 @@ void gemm(const Activations& a, const uint8_t* w, const at::Half* s, Zeros z, fl
   const int64_t bpg = group / block;
   auto run_tile = [&](int64_t t) {
     const __mmask16 mask = tail_mask(n - t * kTile);
-    const Zeros zt = ASYM ? z.offset(t * a.num_groups * kTile) : Zeros{};
+    const Zeros zt = z.offset(t * a.num_groups * kTile);
     for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - m0));
       tile_rows<BITS, ASYM>(rows, w + t * tile_bytes, s + t * a.num_groups * kTile, zt, zc, a, m0, block, bpg,
@@ -275,10 +277,10 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
   const Activations a = quantize_activations(x, k_pad, block, group);
-  const bool asym = zeros.defined() && zeros.numel() > 0;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
   const Zeros z = zeros_of(zeros);
+  const bool asym = z.is_set();
   const float zc = static_cast<float>(zero_const);
   auto run = [&](auto* o) {
     if (bits == 4) {
@@ -329,7 +331,7 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, fl
         if (kk >= k) break;
         const int64_t g = kk / group;
         const float scale = static_cast<float>(s[g * kTile + r]);
-        const float zero = (z.u8 || z.f16) ? z.at(g * kTile + r) : zc;
+        const float zero = z.is_set() ? z.at(g * kTile + r) : zc;
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(vals + p))));
         const __m512 wv = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
         store16(out + r * k + kk, wv, tail_mask(k - kk));
@@ -352,13 +354,13 @@ torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   const int64_t num_groups = k_pad / group;
   const int64_t tile_bytes = k_pad * bits / 8 * kTile;
-  const bool asym = zeros.defined() && zeros.numel() > 0;
+  const Zeros all_zeros = zeros_of(zeros);
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t rows = std::min<int64_t>(kTile, n - t * kTile);
       const uint8_t* w = packed.data_ptr<uint8_t>() + t * tile_bytes;
       const at::Half* s = scales.data_ptr<at::Half>() + t * num_groups * kTile;
-      const Zeros z = asym ? zeros_of(zeros).offset(t * num_groups * kTile) : Zeros{};
+      const Zeros z = all_zeros.offset(t * num_groups * kTile);
       if (dtype == at::kFloat)
         dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, rows,
                      out.data_ptr<float>() + t * kTile * k);
