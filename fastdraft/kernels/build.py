@@ -24,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq_x86.cpp", "fused_x86.cpp", "decoder_x86.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "x86_kernels.h"]
 # Every instruction the kernels use; the build never targets the build machine (-march=native)
 # so that a cache shared between machines stays valid.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
@@ -54,7 +55,7 @@ def cache_dir() -> Path:
     from fastdraft.models.registry import fastdraft_home
 
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(" ".join(CFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())

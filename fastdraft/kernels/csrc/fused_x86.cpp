@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "x86_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -177,6 +179,64 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
   };
   if (rows >= 64) at::parallel_for(0, rows, 16, run); else run(0, rows);
   return out;
+}
+
+void fastdraft::add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && bias.dim() == 1 && bias.is_contiguous() &&
+                  bias.scalar_type() == x.scalar_type() && col0 + bias.numel() <= x.size(1),
+              "bias must be [N] in x's dtype, within x's columns");
+  const int64_t n = bias.numel();
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = mask_for(n - i);
+      if (x.scalar_type() == at::kFloat) {
+        float* xr = x.data_ptr<float>() + r * x.stride(0) + col0 + i;
+        store16(xr, _mm512_add_ps(load16(xr, m), load16(bias.data_ptr<float>() + i, m)), m);
+      } else {
+        at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * x.stride(0) + col0 + i;
+        store16(xr, _mm512_add_ps(load16(xr, m), load16(bias.data_ptr<at::BFloat16>() + i, m)), m);
+      }
+    }
+  }
+}
+
+torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start) {
+  const int64_t t_count = qkv.size(0), d = head_dim, group = num_heads / num_kv_heads;
+  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size && d % 2 == 0,
+              "qkv must be [T, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t_count && cos.size(1) == d &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, head_dim] in qkv's dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == d &&
+                  k_cache.stride(2) == 1 && v_cache.sizes() == k_cache.sizes() && v_cache.stride(2) == 1 &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  start >= 0 && start + t_count <= k_cache.size(1),
+              "k/v cache must be [kv_heads, max_seq_len, head_dim] in qkv's dtype, with room for T tokens");
+  auto q_rows = torch::empty({1, num_kv_heads, t_count * group, d}, qkv.options());
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const T* src = qkv.data_ptr<T>();
+    T* q_out = q_rows.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    for (int64_t t = 0; t < t_count; ++t) {
+      const T* row = src + t * qkv.stride(0);
+      const T* c = cos.data_ptr<T>() + t * d;
+      const T* s = sin.data_ptr<T>() + t * d;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotary_row(row + h * group * d, c, s, q_out + (h * t_count + t) * group * d, group, d);
+        rotary_row(row + q_size + h * d, c, s, kc + h * k_cache.stride(0) + (start + t) * k_cache.stride(1), 1, d);
+        std::memcpy(vc + h * v_cache.stride(0) + (start + t) * v_cache.stride(1), row + q_size + kv_size + h * d,
+                    d * sizeof(T));
+      }
+    }
+  };
+  if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<at::BFloat16*>(nullptr));
+  return q_rows;
 }
 
 namespace {
@@ -461,75 +521,98 @@ bool cpu_has_avx512_bf16() {
 // bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
 // (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
 // does; the softmax itself is fp32.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
+fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, double scale, int64_t num_tokens,
+                                                   int64_t len) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "q, k, v: one dtype, f32 or bf16");
-  const int64_t b = q.size(0), h = q.size(1), rows = q.size(2), d = q.size(3), len = k.size(2);
+  AttentionPlan p;
+  TORCH_CHECK(len <= k.size(2), "len exceeds the keys");
+  if (len < 0) len = k.size(2);
+  p.batch = q.size(0), p.heads = q.size(1), p.rows = q.size(2), p.head_dim = q.size(3), p.len = len;
+  const int64_t b = p.batch, h = p.heads, rows = p.rows, d = p.head_dim;
   TORCH_CHECK(k.size(0) == b && k.size(1) == h && k.size(3) == d && v.sizes() == k.sizes(), "k/v shape mismatch");
   TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
   TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  const bool is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
+  p.q = q, p.k = k, p.v = v, p.scale = static_cast<float>(scale);
+  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
   // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
   // the fp32 path takes q pre-scaled.
-  auto q_pairs = is_bf16_dot ? q.contiguous() : torch::Tensor();  // [B, H, R, D]
-  auto qf = is_bf16_dot ? torch::Tensor() : (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
-  std::vector<int64_t> row_len(rows);  // keys each row sees
+  if (p.is_bf16_dot) p.q_pairs = q.contiguous();  // [B, H, R, D]
+  else p.qf = (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
+  p.row_len.resize(rows);
   const int64_t rows_per_token = rows / num_tokens;
-  for (int64_t r = 0; r < rows; ++r) row_len[r] = len - num_tokens + 1 + r / rows_per_token;
-  const int64_t splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
-  const int64_t items = b * h * splits;
-  std::vector<float> pmax(items * rows), psum(items * rows), pacc(items * rows * d);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> num_keys(rows);
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t bh = it / splits, sp = it % splits;
-      const int64_t bi = bh / h, hi = bh % h;
-      const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
-      for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(row_len[r] - l0, 0, l1 - l0);
-      const float* qp = is_bf16_dot ? nullptr : qf.data_ptr<float>() + bh * rows * d;
-      float* mo = pmax.data() + it * rows;
-      float* so = psum.data() + it * rows;
-      float* ao = pacc.data() + it * rows * d;
-      if (q.scalar_type() == at::kFloat) {
-        const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
-        const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-        attend_split(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
-      } else {
-        const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
-        const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
-        const uint32_t* pairs = is_bf16_dot
-            ? reinterpret_cast<const uint32_t*>(q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-        attend_split(qp, pairs, static_cast<float>(scale), kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
-                     num_keys.data(), mo, so, ao);
-      }
+  for (int64_t r = 0; r < rows; ++r) p.row_len[r] = len - num_tokens + 1 + r / rows_per_token;
+  p.splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
+  p.num_items = b * h * p.splits;
+  p.pmax.resize(p.num_items * rows);
+  p.psum.resize(p.num_items * rows);
+  p.pacc.resize(p.num_items * rows * d);
+  return p;
+}
+
+void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
+  const int64_t h = p.heads, rows = p.rows, d = p.head_dim, len = p.len, splits = p.splits;
+  const torch::Tensor &k = p.k, &v = p.v;
+  std::vector<int64_t> num_keys(rows);
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t bh = it / splits, sp = it % splits;
+    const int64_t bi = bh / h, hi = bh % h;
+    const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
+    for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(p.row_len[r] - l0, 0, l1 - l0);
+    const float* qp = p.is_bf16_dot ? nullptr : p.qf.data_ptr<float>() + bh * rows * d;
+    float* mo = p.pmax.data() + it * rows;
+    float* so = p.psum.data() + it * rows;
+    float* ao = p.pacc.data() + it * rows * d;
+    if (k.scalar_type() == at::kFloat) {
+      const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
+      const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
+      attend_split(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
+    } else {
+      const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
+      const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
+      const uint32_t* pairs = p.is_bf16_dot
+          ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
+      attend_split(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so,
+                   ao);
     }
-  });
-  auto out = torch::empty({b, h, rows, d}, q.options());
-  for (int64_t bh = 0; bh < b * h; ++bh) {
+  }
+}
+
+torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
+  const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
+  auto out = torch::empty({p.batch, p.heads, rows, d}, p.q.options());
+  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row_splits = (row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
+      const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
       float m = -INFINITY;
-      for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, pmax[(bh * splits + sp) * rows + r]);
+      for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, p.pmax[(bh * splits + sp) * rows + r]);
       float total = 0.0f;
       __m512 acc[16];
       for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t sp = 0; sp < row_splits; ++sp) {
         const int64_t it = bh * splits + sp;
-        const float w = std::exp(pmax[it * rows + r] - m);
-        total += w * psum[it * rows + r];
+        const float w = std::exp(p.pmax[it * rows + r] - m);
+        total += w * p.psum[it * rows + r];
         const __m512 wv = _mm512_set1_ps(w);
         for (int64_t i = 0; i < d / 16; ++i)
-          acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
+          acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
       }
       const __m512 inv = _mm512_set1_ps(1.0f / total);
       for (int64_t i = 0; i < d / 16; ++i) {
         const int64_t off = (bh * rows + r) * d + 16 * i;
-        if (q.scalar_type() == at::kFloat) store16(out.data_ptr<float>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
+        if (p.q.scalar_type() == at::kFloat) store16(out.data_ptr<float>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
         else store16(out.data_ptr<at::BFloat16>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
       }
     }
   }
   return out;
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
+  auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);
+  at::parallel_for(0, plan.num_items, 1, [&](int64_t i0, int64_t i1) { fastdraft::attention_items(plan, i0, i1); });
+  return fastdraft::attention_finish(plan);
 }
