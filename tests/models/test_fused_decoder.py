@@ -61,6 +61,25 @@ def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("quant", ["int4-g32-sym", "int4-mix8"])
+def test_fused_decoder_same_bits_for_any_thread_count(tiny_models, quant):
+    # The weight-only stack runs in one parallel region whose threads steal tiles and attention
+    # items from each other: which thread computes what varies, the results must not.
+    model = _model(tiny_models, "qwen2", "bf16", quant)
+    chunks = [1, 5, 1, 3]
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            runs.append(_steps(model, True, 7, chunks))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for got, want in zip(other, runs[0]):
+            assert torch.equal(got, want)
+
+
 def test_fused_path_only_for_decode_shapes(tiny_models):
     model = _model(tiny_models, "llama", "fp32", "dense")
     cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
