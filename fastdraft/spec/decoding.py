@@ -95,31 +95,39 @@ class StepCosts:
 @torch.inference_mode()
 def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_len: int = 32,
                        repeats: int = 5) -> StepCosts:
-    """Time the passes speculation is made of, once, on scratch caches.
+    """Time the passes speculation is made of, once, on scratch caches holding ``context_len``
+    tokens (speculative_generate passes the first request's prompt length): attention over
+    the context is part of every pass's cost, and grows with the number of new tokens.
 
     Decoding is bound by reading weights, but a kernel's cost still grows with the number of
     rows it multiplies (a lot for some INT4 kernels), so the costs are measured rather than
     derived from byte counts. The passes are timed in interleaved rounds and each keeps its
     fastest time: on a shared machine noise only ever adds time, and interleaving keeps a
     slow spell from landing on one pass alone."""
+    if context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {context_len}")
 
-    def make_pass(model: LlamaForCausalLM, num_tokens: int):
-        cache = KVCache.from_config(model.config, context_len + num_tokens, dtype=model.dtype, device=model.device)
-        ids = torch.zeros(1, context_len, dtype=torch.long, device=model.device)
-        model.compute_logits(model(ids, cache, cache.append(context_len))[:, -1])
+    def make_pass(model: LlamaForCausalLM, cache: KVCache, num_tokens: int):
         step = torch.zeros(1, num_tokens, dtype=torch.long, device=model.device)
 
         def run() -> None:
-            cache.truncate(context_len)
+            # The context's keys/values are the cache's zeros: only its length matters to the
+            # time, so no prefill is needed.
+            cache.truncate(0)
+            cache.append(context_len)
             model.compute_logits(model(step, cache, cache.append(num_tokens))[0])
 
         run()  # warm-up
         return run
 
-    passes = [make_pass(target, k + 1) for k in range(k_max + 1)]  # passes[0] is a plain decode step
+    def scratch_cache(model: LlamaForCausalLM, num_tokens: int) -> KVCache:
+        return KVCache.from_config(model.config, context_len + num_tokens, dtype=model.dtype, device=model.device)
+
+    target_cache = scratch_cache(target, k_max + 1)
+    passes = [make_pass(target, target_cache, k + 1) for k in range(k_max + 1)]  # passes[0]: plain decoding
     draft_model = getattr(proposer, "model", None)
     if draft_model is not None:
-        passes.append(make_pass(draft_model, 1))
+        passes.append(make_pass(draft_model, scratch_cache(draft_model, 1), 1))
     best = [float("inf")] * len(passes)
     for _ in range(repeats):
         for i, run in enumerate(passes):
@@ -221,7 +229,8 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
     if adaptive and getattr(proposer, "step_costs", None) is None:
-        proposer.step_costs = measure_step_costs(target, proposer, num_speculative_tokens)
+        proposer.step_costs = measure_step_costs(target, proposer, num_speculative_tokens,
+                                                 context_len=len(prompt_ids))
     controller = AdaptiveDraftLength(num_speculative_tokens, getattr(proposer, "step_costs", None), adaptive)
 
     device = target.device
