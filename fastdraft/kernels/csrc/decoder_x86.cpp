@@ -336,8 +336,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecoderLayer& layer = *layers[i];
-      const int64_t d = layer.head_dim, q_size = layer.num_heads * d;
-      const int64_t group = layer.num_heads / layer.num_kv_heads;
+      const int64_t d = layer.head_dim;
       serial(tid, [&] { projection.begin(*layer.qkv, rms_norm(h, layer.input_norm, layer.eps), nth); });
       if (tid != 0) Projection::prefetch_share(*layer.qkv, tid, nth, kIdlePrefetchBytes);
 #pragma omp barrier
@@ -358,16 +357,14 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       attention_split.run(tid, [&](int64_t begin, int64_t end) { fastdraft::attention_items(plan, begin, end); });
 #pragma omp barrier
       serial(tid, [&] {
-        auto attn = fastdraft::attention_finish(plan).view({layer.num_kv_heads, num_tokens, group, d})
-                        .permute({1, 0, 2, 3}).reshape({num_tokens, q_size});  // [T, q_size]
-        projection.begin(*layer.o_proj, attn, nth);
+        projection.begin(*layer.o_proj, fastdraft::attention_finish_tokens(plan, num_tokens), nth);  // [T, q_size]
       });
 #pragma omp barrier
       if (failed) break;
       projection.run(tid);
 #pragma omp barrier
       serial(tid, [&] {
-        hidden = h + projection.finish();
+        hidden = fastdraft::add(h, projection.finish());
         projection.begin(*layer.gate_up, rms_norm(hidden, layer.post_attention_norm, layer.eps), nth);
       });
       if (tid != 0) Projection::prefetch_share(*layer.gate_up, tid, nth, kIdlePrefetchBytes);
@@ -381,7 +378,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       if (failed) break;
       projection.run(tid);
 #pragma omp barrier
-      serial(tid, [&] { h = hidden + projection.finish(); });
+      serial(tid, [&] { h = fastdraft::add(hidden, projection.finish()); });
     }
   }
   if (error) std::rethrow_exception(error);

@@ -581,9 +581,12 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
   }
 }
 
-torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
+namespace {
+
+// Combines each row's splits into out; row r of batch-head bh goes to out + offset(bh, r).
+template <typename Offset>
+void finish_rows(const fastdraft::AttentionPlan& p, const torch::Tensor& out, Offset offset) {
   const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
-  auto out = torch::empty({p.batch, p.heads, rows, d}, p.q.options());
   for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
@@ -602,11 +605,46 @@ torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
       }
       const __m512 inv = _mm512_set1_ps(1.0f / total);
       for (int64_t i = 0; i < d / 16; ++i) {
-        const int64_t off = (bh * rows + r) * d + 16 * i;
+        const int64_t off = offset(bh, r) + 16 * i;
         if (p.q.scalar_type() == at::kFloat) store16(out.data_ptr<float>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
         else store16(out.data_ptr<at::BFloat16>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
       }
     }
+  }
+}
+
+}  // namespace
+
+torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
+  auto out = torch::empty({p.batch, p.heads, p.rows, p.head_dim}, p.q.options());
+  finish_rows(p, out, [&](int64_t bh, int64_t r) { return (bh * p.rows + r) * p.head_dim; });
+  return out;
+}
+
+torch::Tensor fastdraft::attention_finish_tokens(const AttentionPlan& p, int64_t num_tokens) {
+  TORCH_CHECK(p.batch == 1 && num_tokens >= 1 && p.rows % num_tokens == 0, "rows must be num_tokens groups of one batch");
+  const int64_t group = p.rows / num_tokens;
+  auto out = torch::empty({num_tokens, p.heads * group * p.head_dim}, p.q.options());
+  finish_rows(p, out, [&](int64_t h, int64_t r) {
+    return ((r / group * p.heads + h) * group + r % group) * p.head_dim;  // [T, H, group, D]
+  });
+  return out;
+}
+
+torch::Tensor fastdraft::add(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "a and b must be contiguous, of one shape and dtype (float32 or bfloat16)");
+  auto out = torch::empty_like(a);
+  const int64_t n = a.numel();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = mask_for(n - i);
+    if (a.scalar_type() == at::kFloat)
+      store16(out.data_ptr<float>() + i,
+              _mm512_add_ps(load16(a.data_ptr<float>() + i, m), load16(b.data_ptr<float>() + i, m)), m);
+    else
+      store16(out.data_ptr<at::BFloat16>() + i,
+              _mm512_add_ps(load16(a.data_ptr<at::BFloat16>() + i, m), load16(b.data_ptr<at::BFloat16>() + i, m)), m);
   }
   return out;
 }

@@ -45,6 +45,8 @@ void woq_tiles(const WoqWeight& w, const Activations& a, const torch::Tensor& ou
 
 // x[:, col0 : col0 + N] += bias [N] in place, rounded to x's dtype as torch's add is.
 void add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias);
+// a + b for contiguous [M, N] tensors of one dtype, rounded as torch's add is.
+torch::Tensor add(const torch::Tensor& a, const torch::Tensor& b);
 
 // The attention inputs of one layer from its qkv projection [T, (heads + 2 kv_heads) * d]:
 // returns q rotated and laid out as attention's rows [1, kv_heads, T * group, d], and writes
@@ -69,5 +71,8 @@ AttentionPlan attention_plan(const torch::Tensor& q, const torch::Tensor& k, con
                              int64_t num_tokens, int64_t len = -1);
 void attention_items(AttentionPlan& plan, int64_t i0, int64_t i1);  // items [i0, i1), any thread
 torch::Tensor attention_finish(const AttentionPlan& plan);             // -> [B, H, R, D]
+// B == 1, the R rows being num_tokens token-major groups -> [num_tokens, H * R / num_tokens * D],
+// token-major: the layout the output projection takes.
+torch::Tensor attention_finish_tokens(const AttentionPlan& plan, int64_t num_tokens);
 
 }  // namespace fastdraft
