@@ -13,7 +13,8 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
-from fastdraft.spec.decoding import AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, speculative_generate
+from fastdraft.spec.decoding import (AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, measure_step_costs,
+                                     speculative_generate)
 from fastdraft.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
@@ -245,6 +246,16 @@ def test_separate_draft_head_is_quantized_as_configured(target, tiny_models, hea
     proposer = build_proposer(config, target, cache)
     assert getattr(proposer.model.lm_head, "bits", 16) == head_bits
     assert proposer.model.model.layers[0].mlp.down_proj.bits == 4
+
+
+def test_step_costs_are_measured_at_the_given_context(target):
+    cache = KVCache.from_config(target.config, 256, dtype=target.model.dtype)
+    proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=3), target, cache)
+    costs = measure_step_costs(target.model, proposer, 3, context_len=200, repeats=2)
+    assert len(costs.verify) == 4 and costs.verify[0] == 1.0 and costs.draft > 0
+    assert cache.seq_lens[0] == 0, "the request's cache must not be touched"
+    with pytest.raises(ValueError, match="context_len"):
+        measure_step_costs(target.model, proposer, 3, context_len=0)
 
 
 def test_config_validation():
