@@ -7,7 +7,7 @@ import torch
 
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, fused_decoder_for
+from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, _linear_op, _projections_op, fused_decoder_for
 from fastdraft.models.loader import load_model
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
@@ -78,6 +78,35 @@ def test_fused_decoder_same_bits_for_any_thread_count(tiny_models, quant):
     for other in runs[1:]:
         for got, want in zip(other, runs[0]):
             assert torch.equal(got, want)
+
+
+def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny_models):
+    model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
+    expected = _steps(model, True, 7, [1, 3])
+    decoder = model.model.__dict__["_fused_decoder"][1]
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    ext = decoder.ext
+    # A norm weight of the wrong size fails the first serial step of the region.
+    mlp, cpu = layers[0].mlp, torch.device("cpu")
+    ops = [_projections_op(ext, attn, ("q_proj", "k_proj", "v_proj"), torch.bfloat16, cpu, 1),
+           _linear_op(ext, attn.o_proj, torch.bfloat16, cpu, 1),
+           _projections_op(ext, mlp, ("gate_proj", "up_proj"), torch.bfloat16, cpu, 1),
+           _linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
+    bad = ext.DecoderLayer(torch.ones(3, dtype=torch.bfloat16), layers[0].post_attention_layernorm.weight.detach(),
+                           1e-6, *ops, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    hidden = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
+    cos = torch.ones(1, attn.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros(1, attn.head_dim, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the other thread must leave the region too, not hang at a barrier
+        with pytest.raises(RuntimeError, match="weight"):
+            ext.decoder_forward([bad] + decoder.layer_ops[1:], hidden, cos, sin, cache.k[:, 0], cache.v[:, 0], 0)
+        assert all(torch.equal(got, want) for got, want in zip(_steps(model, True, 7, [1, 3]), expected))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_fused_path_only_for_decode_shapes(tiny_models):
