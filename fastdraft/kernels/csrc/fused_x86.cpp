@@ -181,23 +181,44 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int6
   return out;
 }
 
+namespace {
+
+// out[i] = a[i] + b[i] for i < n, rounded to T as torch's add is (out may alias a).
+template <typename T>
+void add_span(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = mask_for(n - i);
+    store16(out + i, _mm512_add_ps(load16(a + i, m), load16(b + i, m)), m);
+  }
+}
+
+}  // namespace
+
 void fastdraft::add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && bias.dim() == 1 && bias.is_contiguous() &&
                   bias.scalar_type() == x.scalar_type() && col0 + bias.numel() <= x.size(1),
               "bias must be [N] in x's dtype, within x's columns");
-  const int64_t n = bias.numel();
   for (int64_t r = 0; r < x.size(0); ++r) {
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = mask_for(n - i);
-      if (x.scalar_type() == at::kFloat) {
-        float* xr = x.data_ptr<float>() + r * x.stride(0) + col0 + i;
-        store16(xr, _mm512_add_ps(load16(xr, m), load16(bias.data_ptr<float>() + i, m)), m);
-      } else {
-        at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * x.stride(0) + col0 + i;
-        store16(xr, _mm512_add_ps(load16(xr, m), load16(bias.data_ptr<at::BFloat16>() + i, m)), m);
-      }
+    if (x.scalar_type() == at::kFloat) {
+      float* xr = x.data_ptr<float>() + r * x.stride(0) + col0;
+      add_span(xr, bias.data_ptr<float>(), xr, bias.numel());
+    } else {
+      at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * x.stride(0) + col0;
+      add_span(xr, bias.data_ptr<at::BFloat16>(), xr, bias.numel());
     }
   }
+}
+
+torch::Tensor fastdraft::add(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "a and b must be contiguous, of one shape and dtype (float32 or bfloat16)");
+  auto out = torch::empty_like(a);
+  if (a.scalar_type() == at::kFloat)
+    add_span(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.numel());
+  else
+    add_span(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), a.numel());
+  return out;
 }
 
 torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -631,23 +652,6 @@ torch::Tensor fastdraft::attention_finish_tokens(const AttentionPlan& p, int64_t
   return out;
 }
 
-torch::Tensor fastdraft::add(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
-              "a and b must be contiguous, of one shape and dtype (float32 or bfloat16)");
-  auto out = torch::empty_like(a);
-  const int64_t n = a.numel();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = mask_for(n - i);
-    if (a.scalar_type() == at::kFloat)
-      store16(out.data_ptr<float>() + i,
-              _mm512_add_ps(load16(a.data_ptr<float>() + i, m), load16(b.data_ptr<float>() + i, m)), m);
-    else
-      store16(out.data_ptr<at::BFloat16>() + i,
-              _mm512_add_ps(load16(a.data_ptr<at::BFloat16>() + i, m), load16(b.data_ptr<at::BFloat16>() + i, m)), m);
-  }
-  return out;
-}
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
   auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);

@@ -227,14 +227,14 @@ void gemm_tiles(const Activations& a, const uint8_t* w, const at::Half* s, Zeros
 
 void fastdraft::check_woq_weight(const WoqWeight& w) {
   const torch::Tensor &packed = w.packed, &scales = w.scales, &zeros = w.zeros;
-  const int64_t bits = w.bits, n = w.out_features, k_pad = w.k_pad, block = w.block, group = w.group;
+  const int64_t bits = w.bits, k_pad = w.k_pad, block = w.block, group = w.group;
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
   TORCH_CHECK(group % block == 0 && k_pad % group == 0, "group must be a multiple of block dividing k_pad");
-  const int64_t num_tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == num_tiles * k_pad * bits / 8 * kTile,
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == w.num_tiles() * w.tile_bytes(),
               "packed weight has the wrong dtype, layout or size");
-  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() && scales.numel() == num_tiles * (k_pad / group) * kTile,
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == w.num_tiles() * w.num_groups() * kTile,
               "scales have the wrong dtype, layout or size");
   TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
                   ((zeros.dtype() == at::kByte || zeros.dtype() == at::kHalf) && zeros.is_contiguous() &&
@@ -354,20 +354,19 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, fl
 torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t bits, int64_t n,
                              int64_t k, int64_t k_pad, int64_t block, int64_t group, double zero_const,
                              at::ScalarType dtype) {
-  fastdraft::check_woq_weight({packed, scales, zeros, bits, n, k_pad, block, group, zero_const});
+  const fastdraft::WoqWeight weight{packed, scales, zeros, bits, n, k_pad, block, group, zero_const};
+  fastdraft::check_woq_weight(weight);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
   TORCH_CHECK(k <= k_pad, "k must be <= k_pad");
   auto out = torch::empty({n, k}, packed.options().dtype(dtype));
-  const int64_t num_tiles = (n + kTile - 1) / kTile;
-  const int64_t num_groups = k_pad / group;
-  const int64_t tile_bytes = k_pad * bits / 8 * kTile;
+  const int64_t group_stride = weight.num_groups() * kTile;  // scales/zeros per tile
   const Zeros all_zeros = zeros_of(zeros);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, weight.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t rows = std::min<int64_t>(kTile, n - t * kTile);
-      const uint8_t* w = packed.data_ptr<uint8_t>() + t * tile_bytes;
-      const at::Half* s = scales.data_ptr<at::Half>() + t * num_groups * kTile;
-      const Zeros z = all_zeros.offset(t * num_groups * kTile);
+      const uint8_t* w = weight.tile(t);
+      const at::Half* s = scales.data_ptr<at::Half>() + t * group_stride;
+      const Zeros z = all_zeros.offset(t * group_stride);
       if (dtype == at::kFloat)
         dequant_tile(bits, w, s, z, static_cast<float>(zero_const), k, k_pad, group, rows,
                      out.data_ptr<float>() + t * kTile * k);

@@ -30,6 +30,7 @@ struct WoqWeight {
   double zero_const = 0.0;
 
   int64_t num_tiles() const { return (out_features + 15) / 16; }
+  int64_t num_groups() const { return k_pad / group; }
   int64_t tile_bytes() const { return k_pad * bits / 8 * 16; }
   const uint8_t* tile(int64_t t) const { return packed.data_ptr<uint8_t>() + t * tile_bytes(); }
 };
