@@ -53,4 +53,5 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if group > 1:
         mask = mask.repeat(1, 1, group, 1)  # [batch, 1, group * num_tokens, context_len]
     out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask, scale=scale)
-    return out.view(batch, num_heads, num_tokens, head_dim)
+    # reshape, not view: CUDA's attention kernels may return a non-contiguous layout.
+    return out.reshape(batch, num_heads, num_tokens, head_dim)
