@@ -91,7 +91,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
 
 def scenario(name: str, target_name: str, target_low_bit: str | None, spec: SpeculativeConfig,
              args: argparse.Namespace) -> list[dict]:
-    target = load_model(target_name, dtype="bf16", load_in_low_bit=target_low_bit)
+    target = load_model(target_name, dtype="bf16", load_in_low_bit=target_low_bit, device=args.device)
     ids = prompt_ids(target.tokenizer, args.prompt_tokens)
     max_len = args.prompt_tokens + args.new_tokens + 16
     plain = TextGenerator(target, max_seq_len=max_len)
@@ -102,7 +102,8 @@ def scenario(name: str, target_name: str, target_low_bit: str | None, spec: Spec
         params_list = [SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=seed,
                                       ignore_eos=True) for seed in seeds]
         base, fast = run_pair(plain, spec_gen, ids, params_list, args.repeats)
-        row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'})", "draft": spec.draft,
+        where = "" if args.device == "cpu" else f" on {args.device}, draft on {spec.draft_device or args.device}"
+        row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'}){where}", "draft": spec.draft,
                "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3,
                         help="sampled runs (T=0.7) pool this many seeds: one trajectory's acceptance is noisy")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="the target's device (e.g. cuda)")
+    parser.add_argument("--draft-device", default=None,
+                        help="the draft's device; default the target's (e.g. cpu beside a cuda target)")
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -148,9 +152,10 @@ def main() -> None:
     k = args.num_speculative_tokens
     for name in args.scenario or ["self", "draft"]:
         if name == "self":
-            rows += scenario("self", args.target, None, SpeculativeConfig(draft="self", num_speculative_tokens=k), args)
+            rows += scenario("self", args.target, None, SpeculativeConfig(draft="self", num_speculative_tokens=k,
+                                                                  draft_device=args.draft_device), args)
         else:
-            spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k)
+            spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k, draft_device=args.draft_device)
             # The draft is loaded in the target's precision; quantize it like the target.
             rows += scenario("draft", args.target, "sym_int4", spec, args)
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fastdraft.engine.kv_cache import AttentionMetadata
-from fastdraft.kernels.fused import decode_attention
+from fastdraft.kernels.fused import decode_attention, sdpa
 
 # Most tokens appended to a cached prefix that attend through decode_attention's causal
 # multi-token call (speculative verification); more take the masked SDPA path.
@@ -24,8 +23,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if meta.is_prefill:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=group > 1)
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     if meta.contiguous_start is not None and 1 < num_tokens <= MAX_CAUSAL_DECODE_TOKENS:
         # A few tokens appended to a cached prefix (speculative verification): each token
         # attends over exactly its visible prefix with the arithmetic of a one-token decode
@@ -52,6 +50,6 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     q_grouped = q.reshape(batch, num_kv_heads, group * num_tokens, head_dim)
     if group > 1:
         mask = mask.repeat(1, 1, group, 1)  # [batch, 1, group * num_tokens, context_len]
-    out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask, scale=scale)
+    out = sdpa(q_grouped, k, v, attn_mask=mask, scale=scale)
     # reshape, not view: CUDA's attention kernels may return a non-contiguous layout.
     return out.reshape(batch, num_heads, num_tokens, head_dim)
