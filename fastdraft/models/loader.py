@@ -128,6 +128,17 @@ class LoadedModel:
     model_dir: Path
 
 
+def parse_device(device: torch.device | str, what: str = "device") -> torch.device:
+    """``device`` as a ``torch.device``; ``ValueError`` for a malformed name or CUDA without CUDA."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what} {device!r} is not a device name: {exc}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} 'cuda' requested but CUDA is not available")
+    return parsed
+
+
 def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
                load_in_low_bit: str | None = None) -> LoadedModel:
     """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
@@ -144,9 +155,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
     if load_in_low_bit in ("bf16", "fp32"):
         dtype = load_in_low_bit
     torch_dtype = parse_dtype(dtype)
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
+    device = parse_device(device)
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
     saved_quant = quant_config_from_model_config(config.extra)

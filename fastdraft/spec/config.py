@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fastdraft.engine.kv_cache import KVCache
-from fastdraft.models.loader import LoadedModel, build_model, load_model, load_state_dict
+from fastdraft.models.loader import LoadedModel, build_model, load_model, load_state_dict, parse_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab_size must be a positive int or None, got {self.draft_vocab_size!r}")
         if not self.draft:
             raise ValueError("draft must name 'self', 'ngram' or a model")
+        if self.draft_device is not None:
+            parse_device(self.draft_device, "draft_device")
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:

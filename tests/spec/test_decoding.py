@@ -269,3 +269,8 @@ def test_config_validation():
         SpeculativeConfig(draft_lm_head_bits=2)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         SpeculativeConfig(draft_vocab_size=0)
+    with pytest.raises(ValueError, match="draft_device 'tpu0' is not a device name"):
+        SpeculativeConfig(draft_device="tpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="draft_device 'cuda' requested but CUDA is not available"):
+            SpeculativeConfig(draft_device="cuda")
