@@ -76,15 +76,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.view(batch, tokens, heads, head_dim)
 
 
-def causal_token_mask(num_rows: int, num_tokens: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, num_keys] bool, True where a row may attend: rows are ``num_tokens`` token-major
-    groups, the last token being key ``num_keys - 1``, and token t sees keys up to
-    ``num_keys - num_tokens + t``."""
-    token = torch.arange(num_rows, device=device) // (num_rows // num_tokens)  # [num_rows]
-    last_key = num_keys - num_tokens + token
-    return torch.arange(num_keys, device=device) <= last_key[:, None]
-
-
 # cuDNN's attention builds an execution plan for every new shape, and decoding changes the key
 # length at every step: on an H100 that cost 2.1 ms of host time per call, 50 of the 80 ms of
 # a Qwen2.5-0.5B decode step (torch.profiler). The other CUDA backends need no per-shape setup.
@@ -104,8 +95,20 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
 
 def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                num_tokens: int = 1) -> torch.Tensor:
-    mask = None if num_tokens == 1 else causal_token_mask(q.shape[2], num_tokens, k.shape[2], q.device)
-    return sdpa(q, k, v, attn_mask=mask, scale=scale)
+    """decode_attention's PyTorch twin, also what runs off the CPU kernels (CUDA). Each token
+    attends over its own prefix in a call of its own, the very call a one-token step makes:
+    one masked call would run a different SDPA kernel, whose roundings differ, and greedy
+    speculative decoding would then no longer reproduce plain greedy decoding exactly."""
+    if num_tokens == 1:
+        return sdpa(q, k, v, scale=scale)
+    rows = q.shape[2] // num_tokens  # [B, H, num_tokens * rows, D], token-major
+    num_keys = k.shape[2]
+    outs = []
+    for t in range(num_tokens):
+        visible = num_keys - num_tokens + t + 1
+        q_t = q[:, :, t * rows:(t + 1) * rows].contiguous()  # laid out as a one-token step's q
+        outs.append(sdpa(q_t, k[:, :, :visible], v[:, :, :visible], scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -132,13 +132,34 @@ def test_causal_tokens_match_sdpa_and_one_token_calls(dtype, tol, shape):
     q = torch.randn(b, h, num_tokens * group, d).to(dtype)
     k, v = torch.randn(b, h, length, d).to(dtype), torch.randn(b, h, length, d).to(dtype)
     out = fused.decode_attention(q, k, v, d ** -0.5, num_tokens)
-    expected = fused.reference_decode_attention(q.float(), k.float(), v.float(), d ** -0.5, num_tokens)
+    # The definition: one masked attention, token t (rows token-major) seeing keys up to its own.
+    last_key = length - num_tokens + torch.arange(num_tokens * group) // group  # [rows]
+    mask = torch.arange(length) <= last_key[:, None]  # [rows, keys]
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=d ** -0.5)
     assert (out.float() - expected).abs().max().item() <= tol
+    reference = fused.reference_decode_attention(q.float(), k.float(), v.float(), d ** -0.5, num_tokens)
+    assert (reference - expected).abs().max().item() <= 1e-5
     for t in range(num_tokens):
         visible = length - num_tokens + t + 1
         rows = slice(t * group, (t + 1) * group)
         one = fused.decode_attention(q[:, :, rows], k[:, :, :visible], v[:, :, :visible], d ** -0.5)
         assert torch.equal(out[:, :, rows], one), f"token {t} differs from its one-token call"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_causal_tokens_equal_one_token_calls(dtype):
+    # The twin is what runs on CUDA: each token must get exactly its one-token result, or
+    # greedy speculative decoding would stop reproducing plain greedy decoding there.
+    torch.manual_seed(0)
+    group, d, length, num_tokens = 3, 32, 40, 4
+    q = torch.randn(1, 2, num_tokens * group, d).to(dtype)
+    cache_k, cache_v = torch.randn(1, 2, 64, d).to(dtype), torch.randn(1, 2, 64, d).to(dtype)
+    out = fused.reference_decode_attention(q, cache_k[:, :, :length], cache_v[:, :, :length], d ** -0.5, num_tokens)
+    for t in range(num_tokens):
+        visible = length - num_tokens + t + 1
+        one = fused.reference_decode_attention(q[:, :, t * group:(t + 1) * group].contiguous(),
+                                               cache_k[:, :, :visible], cache_v[:, :, :visible], d ** -0.5)
+        assert torch.equal(out[:, :, t * group:(t + 1) * group], one), f"token {t} differs from its one-token call"
 
 
 def test_causal_tokens_bad_shape_is_a_value_error():

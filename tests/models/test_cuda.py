@@ -91,3 +91,22 @@ def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
     names = {event.key for event in prof.key_averages()}
     assert any("scaled_dot_product" in name for name in names)  # the profile saw attention
     assert not any("cudnn_attention" in name for name in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_verification_attention_equals_one_token_steps(dtype):
+    """On CUDA attention runs the PyTorch twin: each verified token must get exactly the result
+    of its one-token step, so that greedy speculative decoding reproduces plain decoding."""
+    from fastdraft.kernels.fused import decode_attention
+
+    torch.manual_seed(0)
+    group, d, length, num_tokens = 6, 64, 300, 5
+    q = torch.randn(1, 2, num_tokens * group, d, device="cuda").to(dtype)
+    cache_k = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
+    cache_v = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
+    out = decode_attention(q, cache_k[:, :, :length], cache_v[:, :, :length], d ** -0.5, num_tokens)
+    for t in range(num_tokens):
+        visible = length - num_tokens + t + 1
+        one = decode_attention(q[:, :, t * group:(t + 1) * group].contiguous(), cache_k[:, :, :visible],
+                               cache_v[:, :, :visible], d ** -0.5)
+        assert torch.equal(out[:, :, t * group:(t + 1) * group], one), f"token {t} differs from its one-token step"
