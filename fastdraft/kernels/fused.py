@@ -7,6 +7,8 @@ intermediate roundings to the storage dtype as the unfused PyTorch code.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,10 +87,8 @@ _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
          scale: float | None = None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, kept off the cuDNN backend on CUDA."""
-    if q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
-                                              enable_gqa=enable_gqa)
-    with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+    backends = sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext()
+    with backends:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
                                               enable_gqa=enable_gqa)
 
