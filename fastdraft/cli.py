@@ -152,10 +152,13 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 def _cmd_quantize(args: argparse.Namespace) -> None:
     from pathlib import Path
 
+    from fastdraft.fileio import check_output_path
     from fastdraft.models.loader import load_model
     from fastdraft.quant.checkpoint import save_quantized
     from fastdraft.quant.config import parse_quant_spec
 
+    if args.output:  # fail now, not after minutes of quantization
+        check_output_path(args.output, is_dir=True)
     if args.auto:
         from fastdraft.quant.auto import SCHEMES, AutoSearchSpace, auto_quantize, write_report
 
@@ -196,12 +199,19 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 def _cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from fastdraft.models.loader import load_model
+    from fastdraft.fileio import check_output_path
+    from fastdraft.models.loader import load_model, resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
     from fastdraft.quant.data import calibration_samples, evaluation_texts
     from fastdraft.quant.evaluate import EvalWindows, evaluate, format_table, score_reference
     from fastdraft.quant.quantizer import quantize_model
 
+    # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
+    config = parse_quant_spec(args.quant) if args.quant and not args.checkpoint else None
+    if args.checkpoint:
+        resolve_model_dir(args.checkpoint)
+    if args.json:
+        check_output_path(args.json, is_dir=False)
     reference = load_model(args.model, dtype=args.dtype)
     seq_len = min(args.seq_len, reference.config.max_position_embeddings)
     windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
@@ -210,8 +220,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     if args.checkpoint:
         candidate = load_model(args.checkpoint, dtype=args.dtype)
         results.append(evaluate(candidate.model, windows, ref_scores, label=Path(args.checkpoint).name))
-    elif args.quant:
-        config = parse_quant_spec(args.quant)
+    elif config is not None:
         candidate = load_model(args.model, dtype=args.dtype)
         samples = calibration_samples(candidate.tokenizer, config.num_calib_samples, config.calib_seq_len,
                                       config.seed) if config.needs_calibration else None

@@ -29,6 +29,21 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
         raise
 
 
+def check_output_path(path: str | Path, is_dir: bool) -> None:
+    """``ValueError`` now, before any long work, if ``atomic_dir`` (``is_dir``) or
+    ``atomic_write`` could not write ``path`` later: its parent cannot be created or written,
+    or it exists as the other kind of entry."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != is_dir:
+        raise ValueError(f"output {path} exists and is not a {'folder' if is_dir else 'file'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc}") from None
+    os.rmdir(probe)
+
+
 def atomic_write(path: str | Path, write: Callable[[str], Any]) -> None:
     """Call ``write(tmp_path)`` on a temporary sibling of ``path``, then rename it into place."""
     path = Path(path)

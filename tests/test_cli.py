@@ -130,3 +130,36 @@ def test_subprocess_error_has_no_traceback(tmp_path):
                              "--max-tokens", "0"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("fastdraft: error: ")
     assert result.stderr.count("\n") == 1
+
+
+def _no_long_work(monkeypatch):
+    """Make the expensive steps fail the test if reached: bad arguments must be caught first."""
+    import fastdraft.models.loader
+    import fastdraft.quant.evaluate
+
+    def never(*args, **kwargs):
+        pytest.fail("the command started its work before checking its arguments")
+
+    monkeypatch.setattr(fastdraft.quant.evaluate, "score_reference", never)
+    monkeypatch.setattr(fastdraft.models.loader, "load_model", never)
+
+
+def test_eval_checks_its_arguments_before_scoring_the_reference(capsys, monkeypatch, tmp_path, llama_dir):
+    _no_long_work(monkeypatch)
+    model = ["eval", "--model", str(llama_dir)]
+    _fails_cleanly(capsys, model + ["--quant", "method=foo"], "unknown quantization method")
+    _fails_cleanly(capsys, model + ["--checkpoint", str(tmp_path / "missing")], "missing")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    _fails_cleanly(capsys, model + ["--quant", "method=rtn", "--json", str(blocker / "out.json")], "cannot write")
+
+
+def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_path, llama_dir):
+    _no_long_work(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    base = ["quantize", "--model", str(llama_dir), "--quant", "method=rtn"]
+    _fails_cleanly(capsys, base + ["--output", str(blocker / "q")], "cannot write")
+    _fails_cleanly(capsys, base + ["--output", str(blocker)], "is not a folder")
+    _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--output", str(blocker / "q")],
+                   "cannot write")
