@@ -172,6 +172,8 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
                                 calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
+        if args.report_dir:
+            check_output_path(report_dir, is_dir=True)
         loaded = load_model(args.model, dtype=args.dtype)
         result, best_model = auto_quantize(loaded, space, report_dir=report_dir)
         print(write_report(result, space, report_dir))

@@ -163,3 +163,5 @@ def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_p
     _fails_cleanly(capsys, base + ["--output", str(blocker)], "is not a folder")
     _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--output", str(blocker / "q")],
                    "cannot write")
+    _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--report-dir", str(blocker / "r")],
+                   "cannot write")
