@@ -194,3 +194,17 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str) 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def assert_tokens_equal_one_token_calls(out: torch.Tensor, attend_one, q: torch.Tensor, k: torch.Tensor,
+                                        v: torch.Tensor, num_tokens: int) -> None:
+    """``out`` [B, H, num_tokens * group, D] is attention of ``num_tokens`` token-major query
+    groups whose last token is key ``k.shape[2] - 1``. Each token's rows must equal, bit for
+    bit, ``attend_one(q_t, k_t, v_t)`` over that token's own prefix: what speculative
+    verification needs to reproduce plain one-token decoding."""
+    group, length = q.shape[2] // num_tokens, k.shape[2]
+    for t in range(num_tokens):
+        visible = length - num_tokens + t + 1
+        rows = slice(t * group, (t + 1) * group)
+        one = attend_one(q[:, :, rows].contiguous(), k[:, :, :visible], v[:, :, :visible])
+        assert torch.equal(out[:, :, rows], one), f"token {t} differs from its one-token call"

@@ -8,6 +8,7 @@ from fastdraft.kernels import fused, select_kernel
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
 from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize
+from tests.helpers import assert_tokens_equal_one_token_calls
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None,
                                 reason="x86 kernels unavailable (no AVX-512 VNNI or no compiler)")
@@ -139,11 +140,7 @@ def test_causal_tokens_match_sdpa_and_one_token_calls(dtype, tol, shape):
     assert (out.float() - expected).abs().max().item() <= tol
     reference = fused.reference_decode_attention(q.float(), k.float(), v.float(), d ** -0.5, num_tokens)
     assert (reference - expected).abs().max().item() <= 1e-5
-    for t in range(num_tokens):
-        visible = length - num_tokens + t + 1
-        rows = slice(t * group, (t + 1) * group)
-        one = fused.decode_attention(q[:, :, rows], k[:, :, :visible], v[:, :, :visible], d ** -0.5)
-        assert torch.equal(out[:, :, rows], one), f"token {t} differs from its one-token call"
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.decode_attention(*qkv, d ** -0.5), q, k, v, num_tokens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -154,12 +151,10 @@ def test_reference_causal_tokens_equal_one_token_calls(dtype):
     group, d, length, num_tokens = 3, 32, 40, 4
     q = torch.randn(1, 2, num_tokens * group, d).to(dtype)
     cache_k, cache_v = torch.randn(1, 2, 64, d).to(dtype), torch.randn(1, 2, 64, d).to(dtype)
-    out = fused.reference_decode_attention(q, cache_k[:, :, :length], cache_v[:, :, :length], d ** -0.5, num_tokens)
-    for t in range(num_tokens):
-        visible = length - num_tokens + t + 1
-        one = fused.reference_decode_attention(q[:, :, t * group:(t + 1) * group].contiguous(),
-                                               cache_k[:, :, :visible], cache_v[:, :, :visible], d ** -0.5)
-        assert torch.equal(out[:, :, t * group:(t + 1) * group], one), f"token {t} differs from its one-token call"
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of a longer cache, as in decoding
+    out = fused.reference_decode_attention(q, k, v, d ** -0.5, num_tokens)
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.reference_decode_attention(*qkv, d ** -0.5),
+                                        q, k, v, num_tokens)
 
 
 def test_causal_tokens_bad_shape_is_a_value_error():

@@ -9,6 +9,7 @@ from fastdraft.engine.generate import TextGenerator, decode_one_token, prefill
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.models.loader import load_model
+from tests.helpers import assert_tokens_equal_one_token_calls
 
 pytestmark = [
     pytest.mark.cuda,
@@ -104,9 +105,6 @@ def test_cuda_verification_attention_equals_one_token_steps(dtype):
     q = torch.randn(1, 2, num_tokens * group, d, device="cuda").to(dtype)
     cache_k = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
     cache_v = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
-    out = decode_attention(q, cache_k[:, :, :length], cache_v[:, :, :length], d ** -0.5, num_tokens)
-    for t in range(num_tokens):
-        visible = length - num_tokens + t + 1
-        one = decode_attention(q[:, :, t * group:(t + 1) * group].contiguous(), cache_k[:, :, :visible],
-                               cache_v[:, :, :visible], d ** -0.5)
-        assert torch.equal(out[:, :, t * group:(t + 1) * group], one), f"token {t} differs from its one-token step"
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of a longer cache, as in decoding
+    out = decode_attention(q, k, v, d ** -0.5, num_tokens)
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: decode_attention(*qkv, d ** -0.5), q, k, v, num_tokens)
