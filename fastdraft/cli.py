@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="zero-point schemes to try: sym, asym (integer zeros), asymf (float zeros)")
     quant.add_argument("--mixed", default="no", choices=["no", "yes", "both"],
                        help="Q4_K_M-style INT8 for sensitive v_proj/down_proj layers")
+    quant.add_argument("--int8-linears", default="none",
+                       help="with --auto: comma list of sets of linears kept at INT8 in every layer, "
+                            "each joined with '+' (e.g. 'none,v_proj+o_proj')")
     quant.add_argument("--candidates", default="",
                        help="with --auto: explicit configs separated by ';' instead of the grid")
     quant.add_argument("--num-calib-samples", type=int, default=32,
@@ -107,6 +110,15 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise CLIError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+
+
+def _linear_sets(text: str) -> tuple[tuple[str, ...], ...]:
+    """``"none,v_proj+o_proj"`` -> ``((), ("v_proj", "o_proj"))``; names are checked by QuantConfig."""
+    sets = tuple(() if item.strip() == "none" else tuple(n.strip() for n in item.split("+") if n.strip())
+                 for item in text.split(",") if item.strip())
+    if not sets:
+        raise CLIError(f"--int8-linears needs at least one set (or 'none'), got {text!r}")
+    return sets
 
 
 def _cmd_pull(args: argparse.Namespace) -> None:
@@ -168,6 +180,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                                 group_sizes=_int_list(args.group_sizes, "--group-sizes"), schemes=schemes,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
+                                int8_linears=_linear_sets(args.int8_linears),
                                 max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
                                 calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))

@@ -44,6 +44,8 @@ class AutoSearchSpace:
     # "asymf" (float16 zero points, Q4_1/Q4_K style).
     schemes: tuple[str, ...] = ("sym", "asym", "asymf")
     sensitive_bits: tuple[int, ...] = (4,)  # add 8 to also try Q4_K_M-style INT8 exceptions
+    # Sets of decoder linears kept at INT8 in every layer (QuantConfig.int8_linears); () = none.
+    int8_linears: tuple[tuple[str, ...], ...] = ((),)
     max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
     lm_head_bits: int = 8
     num_calib_samples: int = 32
@@ -54,7 +56,7 @@ class AutoSearchSpace:
     candidates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.methods or not self.group_sizes or not self.schemes or not self.sensitive_bits:
+        if not (self.methods and self.group_sizes and self.schemes and self.sensitive_bits and self.int8_linears):
             raise ValueError("the search space is empty")
         unknown = set(self.schemes) - set(SCHEMES)
         if unknown:
@@ -69,9 +71,10 @@ class AutoSearchSpace:
 
             return [parse_quant_spec(c) for c in self.candidates]
         return [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
-                            lm_head_bits=self.lm_head_bits, sensitive_bits=sb,
+                            lm_head_bits=self.lm_head_bits, sensitive_bits=sb, int8_linears=i8,
                             num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
-                for m, g, s, sb in itertools.product(self.methods, self.group_sizes, self.schemes, self.sensitive_bits)]
+                for m, g, s, sb, i8 in itertools.product(self.methods, self.group_sizes, self.schemes,
+                                                         self.sensitive_bits, self.int8_linears)]
 
 
 @dataclass

@@ -18,9 +18,9 @@ from torch import nn
 
 from fastdraft.fileio import atomic_dir
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.linear import QuantEmbedding, QuantLinear
-from fastdraft.quant.quantizer import LAYER_LINEARS, replace_module
+from fastdraft.quant.quantizer import replace_module
 
 QUANT_METHOD_TAG = "fastdraft"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

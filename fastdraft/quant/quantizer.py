@@ -17,17 +17,13 @@ from tqdm.auto import tqdm
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fastdraft.quant import awq
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.config import ATTN_INPUT, LAYER_LINEARS, MLP_INPUT, QuantConfig
 from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
 from fastdraft.quant.linear import QuantEmbedding, QuantLinear, exact_min_rows
 
 logger = logging.getLogger(__name__)
 
-# Linears of a decoder layer, grouped by the input they share.
-ATTN_INPUT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-MLP_INPUT = ("mlp.gate_proj", "mlp.up_proj")
-LAYER_LINEARS = (*ATTN_INPUT, "self_attn.o_proj", *MLP_INPUT, "mlp.down_proj")
 _AWQ_MAX_ROWS = 4096  # calibration rows kept per linear input for AWQ's searches
 
 

@@ -28,6 +28,8 @@ CONFIGS = [
     QuantConfig(method="awq", group_size=64, sym=True, num_calib_samples=4, calib_seq_len=32),
     QuantConfig(method="rtn", bits=8, group_size=-1, lm_head_bits=16),
     QuantConfig(method="gptq", group_size=32, sensitive_bits=8, num_calib_samples=4, calib_seq_len=32),
+    QuantConfig(method="gptq", group_size=32, sym=False, float_zeros=True, int8_linears=("v_proj", "o_proj"),
+                num_calib_samples=4, calib_seq_len=32),
 ]
 
 

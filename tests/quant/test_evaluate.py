@@ -101,3 +101,11 @@ def test_search_space_validation():
         AutoSearchSpace(max_loss=0.0)
     with pytest.raises(ValueError):
         AutoSearchSpace(group_sizes=())
+    with pytest.raises(ValueError, match="unknown decoder linear"):
+        AutoSearchSpace(int8_linears=((), ("w_proj",)))
+
+
+def test_int8_linear_sets_are_a_grid_dimension():
+    space = AutoSearchSpace(methods=("rtn",), group_sizes=(32,), schemes=("asymf",),
+                            int8_linears=((), ("v_proj", "o_proj")))
+    assert [c.label for c in space.configs()] == ["rtn-int4-g32-asymf", "rtn-int4-g32-asymf-int8[v_proj+o_proj]"]

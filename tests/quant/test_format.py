@@ -141,7 +141,25 @@ def test_mixed_precision_layers_follow_llama_cpp_q4_k_m():
     assert config.layer_format(0, 28, "self_attn.q_proj").bits == 4
 
 
+def test_int8_linears_keep_those_linears_at_int8_in_every_layer():
+    config = QuantConfig(group_size=32, int8_linears=("o_proj", "self_attn.v_proj", "v_proj"))
+    assert config.int8_linears == ("self_attn.v_proj", "self_attn.o_proj")  # canonical names and order
+    for layer_idx in range(4):
+        assert config.layer_format(layer_idx, 4, "self_attn.o_proj") == (8, -1, True, False)
+        assert config.layer_format(layer_idx, 4, "self_attn.v_proj").bits == 8
+        assert config.layer_format(layer_idx, 4, "self_attn.q_proj") == (4, 32, True, False)
+    assert parse_quant_spec("group_size=32,int8_linears=v_proj+o_proj") == config
+    assert QuantConfig.from_dict(config.to_dict() | {"int8_linears": ["v_proj", "o_proj"]}) == config  # from JSON
+    with pytest.raises(ValueError, match="unknown decoder linear"):
+        QuantConfig(int8_linears=("w_proj",))
+    with pytest.raises(ValueError, match="not a string"):
+        QuantConfig(int8_linears="v_proj")
+    with pytest.raises(ValueError, match="INT4"):
+        QuantConfig(bits=8, group_size=-1, int8_linears=("v_proj",))
+
+
 def test_labels_name_what_differs():
     assert QuantConfig(method="gptq", group_size=32, sym=False, float_zeros=True).label == "gptq-int4-g32-asymf"
     assert QuantConfig(method="gptq", damp_percent=0.1).label == "gptq-int4-g128-sym-damp0.1"
     assert QuantConfig(method="rtn", sym=False, sensitive_bits=8).label == "rtn-int4-g128-asym-mix8"
+    assert QuantConfig(int8_linears=("o_proj", "v_proj")).label == "rtn-int4-g128-sym-int8[v_proj+o_proj]"
