@@ -87,6 +87,42 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     assert (tmp_path / "report" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_finalists_are_timed_again_in_turns(monkeypatch):
+    # A machine that gets slower every call: timed one after another, the last model would
+    # look slowest; taking turns, each model's median sees the same drift.
+    calls = []
+
+    def fake_time_decode(model, num_tokens, prompt_ids):
+        calls.append(model)
+        return model + len(calls)  # the "model" is its true latency; the drift is +1 ms per call
+
+    monkeypatch.setattr(auto, "time_decode", fake_time_decode)
+    assert auto.time_interleaved([10.0, 5.0, 7.0], 4, [1], num_rounds=3) == [14.0, 10.0, 13.0]
+    assert calls == [10.0, 5.0, 7.0] * 3
+
+
+def test_auto_flow_keeps_at_most_max_finalists_and_retimes_them(tiny_models, monkeypatch):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
+    retimed = []
+    real_interleaved = auto.time_interleaved
+
+    def spy(models, *args):
+        retimed.append(len(models))
+        return real_interleaved(models, *args)
+
+    monkeypatch.setattr(auto, "time_interleaved", spy)
+    space = AutoSearchSpace(methods=("rtn",), group_sizes=(32, 64, -1), schemes=("asymf",), max_loss=0.99,
+                            num_decode_tokens=2, num_timing_rounds=2, max_finalists=2)
+    result, best_model = auto_quantize(loaded, space, show_progress=False)
+    assert all(c.is_within_target for c in result.candidates)
+    assert retimed == [3]  # the reference and two finalists
+    assert sum(c.is_retimed for c in result.candidates) == 2
+    assert result.best.is_retimed and best_model.quant_config == result.best.config
+    assert result.best.decode_ms == min(c.decode_ms for c in result.candidates if c.is_retimed)
+    assert "interleaved rounds" in report_markdown(result, space)
+
+
 def test_explicit_candidates_replace_the_grid():
     space = AutoSearchSpace(candidates=("method=rtn,group_size=32,sym=false", "method=gptq,group_size=128"))
     assert [c.label for c in space.configs()] == ["rtn-int4-g32-asym", "gptq-int4-g128-sym"]
@@ -103,6 +139,8 @@ def test_search_space_validation():
         AutoSearchSpace(group_sizes=())
     with pytest.raises(ValueError, match="unknown decoder linear"):
         AutoSearchSpace(int8_linears=((), ("w_proj",)))
+    with pytest.raises(ValueError, match="max_finalists"):
+        AutoSearchSpace(max_finalists=0)
 
 
 def test_int8_linear_sets_are_a_grid_dimension():
