@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --auto: comma list of sets of linears kept at INT8 in every layer, "
                             "each joined with '+' (e.g. 'none,v_proj+o_proj')")
     quant.add_argument("--candidates", default="",
-                       help="with --auto: explicit configs separated by ';' instead of the grid")
+                       help="with --auto: explicit configs separated by ';' instead of the grid; each "
+                            "keeps its own calibration settings (default 64 windows x 512 tokens)")
     quant.add_argument("--num-calib-samples", type=int, default=32,
                        help="with --auto: calibration windows for the grid's GPTQ/AWQ configs")
     quant.add_argument("--calib-seq-len", type=int, default=512, help="with --auto: tokens per calibration window")

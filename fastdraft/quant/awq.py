@@ -87,13 +87,22 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, sym: boo
 
 @torch.no_grad()
 def fold_scales(prev: nn.Module, linears: list[nn.Linear], scales: torch.Tensor) -> None:
-    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' inputs by it."""
+    """Divide ``prev``'s output channels by ``scales`` and multiply the linears' inputs by it.
+
+    The folded weights are new tensors, never written in place: a model built by
+    ``build_model`` shares storage with the state dict it came from, and the auto flow builds
+    every candidate from one state dict, so an in-place fold would rescale the candidates after it."""
     s = scales.to(torch.float32)
+
+    def rebind(module: nn.Module, name: str, value: torch.Tensor) -> None:
+        old = getattr(module, name)
+        setattr(module, name, nn.Parameter(value.to(old.dtype), requires_grad=False))
+
     if isinstance(prev, nn.Linear):
-        prev.weight.copy_((prev.weight.float() / s.unsqueeze(1)).to(prev.weight.dtype))
+        rebind(prev, "weight", prev.weight.float() / s.unsqueeze(1))
         if prev.bias is not None:
-            prev.bias.copy_((prev.bias.float() / s).to(prev.bias.dtype))
+            rebind(prev, "bias", prev.bias.float() / s)
     else:  # RMSNorm: y = weight * normalized(x)
-        prev.weight.copy_((prev.weight.float() / s).to(prev.weight.dtype))
+        rebind(prev, "weight", prev.weight.float() / s)
     for linear in linears:
-        linear.weight.copy_((linear.weight.float() * s.unsqueeze(0)).to(linear.weight.dtype))
+        rebind(linear, "weight", linear.weight.float() * s.unsqueeze(0))

@@ -78,3 +78,35 @@ def test_awq_fold_preserves_the_function():
     before = down(up(x))
     awq.fold_scales(up, [down], torch.rand(48) + 0.5)
     assert torch.allclose(down(up(x)), before, atol=1e-5)
+
+
+def test_awq_fold_leaves_the_original_tensors_alone():
+    from torch import nn
+
+    from fastdraft.layers.norm import RMSNorm
+
+    norm, lin = RMSNorm(64), nn.Linear(64, 32)
+    nn.init.normal_(norm.weight)
+    originals = [t.detach().clone() for t in (norm.weight, lin.weight)]
+    shared = [norm.weight, lin.weight]  # e.g. a state dict that build_model assigned from
+    awq.fold_scales(norm, [lin], torch.rand(64) + 0.5)
+    assert all(torch.equal(t, o) for t, o in zip(shared, originals))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "rtn"])
+def test_quantizing_a_model_leaves_its_state_dict_unchanged(tiny_models, method):
+    # The auto flow builds every candidate from one state dict, which build_model's models share.
+    from fastdraft.models.loader import build_model, load_model, load_state_dict
+    from fastdraft.quant.config import QuantConfig
+    from fastdraft.quant.data import calibration_samples
+    from fastdraft.quant.quantizer import quantize_model
+
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    state = load_state_dict(loaded.model_dir)
+    snapshot = {k: v.clone() for k, v in state.items()}
+    config = QuantConfig(method=method, group_size=32, num_calib_samples=4, calib_seq_len=32)
+    model = build_model(loaded.config, state, torch.float32)
+    samples = calibration_samples(loaded.tokenizer, 4, 32) if config.needs_calibration else None
+    quantize_model(model, config, samples, show_progress=False)
+    changed = [k for k, v in state.items() if not torch.equal(v, snapshot[k])]
+    assert changed == []
