@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--int8-linears", default="none",
                        help="with --auto: comma list of sets of linears kept at INT8 in every layer, "
                             "each joined with '+' (e.g. 'none,v_proj+o_proj')")
+    quant.add_argument("--int8-sets", type=int, default=0, metavar="N",
+                       help="with --auto: rank the kinds of linears by the accuracy INT8 buys per byte (a quick "
+                            "RTN pass) and also try the nested sets of the top 1..N")
     quant.add_argument("--candidates", default="",
                        help="with --auto: explicit configs separated by ';' instead of the grid; each "
                             "keeps its own calibration settings (default 64 windows x 512 tokens)")
@@ -181,7 +184,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                                 group_sizes=_int_list(args.group_sizes, "--group-sizes"), schemes=schemes,
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
-                                int8_linears=_linear_sets(args.int8_linears),
+                                int8_linears=_linear_sets(args.int8_linears), num_int8_sets=args.int8_sets,
                                 max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
                                 calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))

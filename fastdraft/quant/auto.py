@@ -26,10 +26,11 @@ from fastdraft.fileio import atomic_write, write_json
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.data import calibration_samples, evaluation_texts
 from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
 from fastdraft.quant.quantizer import quantize_model
+from fastdraft.quant.sensitivity import Int8Gain, nested_int8_sets, rank_int8_linears
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class AutoSearchSpace:
     sensitive_bits: tuple[int, ...] = (4,)  # add 8 to also try Q4_K_M-style INT8 exceptions
     # Sets of decoder linears kept at INT8 in every layer (QuantConfig.int8_linears); () = none.
     int8_linears: tuple[tuple[str, ...], ...] = ((),)
+    # N > 0: rank the kinds of linears by the KL their INT8 copy saves per byte (quant/sensitivity.py,
+    # an RTN pass on the grid's first group size and scheme) and also try the nested sets of the top 1..N.
+    num_int8_sets: int = 0
     max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
     lm_head_bits: int = 8
     num_calib_samples: int = 32
@@ -70,18 +74,30 @@ class AutoSearchSpace:
             raise ValueError("num_decode_tokens and max_finalists must be >= 1, num_timing_rounds >= 0")
         if not 0.0 < self.max_loss < 1.0:
             raise ValueError(f"max_loss must be in (0, 1), got {self.max_loss}")
+        if not 0 <= self.num_int8_sets <= len(LAYER_LINEARS):
+            raise ValueError(f"num_int8_sets must be in [0, {len(LAYER_LINEARS)}], got {self.num_int8_sets}")
+        if self.num_int8_sets and self.candidates:
+            raise ValueError("num_int8_sets extends the grid; explicit candidates replace it")
         self.configs()  # validates every combination up front
 
-    def configs(self) -> list[QuantConfig]:
+    def configs(self, extra_int8_sets: tuple[tuple[str, ...], ...] = ()) -> list[QuantConfig]:
+        """The candidates: the explicit list, or the grid (with ``extra_int8_sets`` added to its INT8 sets)."""
         if self.candidates:
             from fastdraft.quant.config import parse_quant_spec
 
             return [parse_quant_spec(c) for c in self.candidates]
-        return [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
-                            lm_head_bits=self.lm_head_bits, sensitive_bits=sb, int8_linears=i8,
-                            num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
-                for m, g, s, sb, i8 in itertools.product(self.methods, self.group_sizes, self.schemes,
-                                                         self.sensitive_bits, self.int8_linears)]
+        configs = [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
+                               lm_head_bits=self.lm_head_bits, sensitive_bits=sb, int8_linears=i8,
+                               num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
+                   for m, g, s, sb, i8 in itertools.product(self.methods, self.group_sizes, self.schemes,
+                                                            self.sensitive_bits, self.int8_linears + extra_int8_sets)]
+        return list({c.label: c for c in configs}.values())  # a set listed twice is tried once
+
+    def sensitivity_base(self) -> QuantConfig:
+        """The RTN config the INT8 ranking starts from: the grid's first group size and scheme."""
+        first = self.configs()[0]
+        return QuantConfig(method="rtn", group_size=first.group_size, sym=first.sym, float_zeros=first.float_zeros,
+                           lm_head_bits=first.lm_head_bits, sensitive_bits=first.sensitive_bits)
 
 
 @dataclass
@@ -101,6 +117,7 @@ class AutoResult:
     reference_weight_bytes: int
     candidates: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
+    int8_gains: list[Int8Gain] = field(default_factory=list)  # with num_int8_sets: the ranking measured
 
 
 @torch.inference_mode()
@@ -145,7 +162,13 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
     calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each config's own calibration set, drawn once
     state = load_state_dict(loaded.model_dir)
     finalists: list[tuple[Candidate, LlamaForCausalLM]] = []  # within target, fastest first
-    for config in space.configs():
+    extra_sets: tuple[tuple[str, ...], ...] = ()
+    if space.num_int8_sets:
+        result.int8_gains = rank_int8_linears(loaded, state, windows, ref_scores, space.sensitivity_base(),
+                                              show_progress)
+        extra_sets = nested_int8_sets(result.int8_gains, space.num_int8_sets)
+        logger.info("INT8 sets to try: %s", extra_sets)
+    for config in space.configs(extra_sets):
         model = build_model(loaded.config, state, reference.dtype, reference.device)
         samples = None
         if config.needs_calibration:
@@ -199,6 +222,12 @@ def report_markdown(result: AutoResult, space: AutoSearchSpace) -> str:
         lines.append(f"\\* median of {space.num_timing_rounds} interleaved rounds with the other finalists and the "
                      "reference (the reference's time too); other times are single runs.")
         lines.append("")
+    if result.int8_gains:
+        lines += [f"INT8 sensitivity ({space.sensitivity_base().label}, one kind of linear at INT8 in every layer):", "",
+                  "| linear | mean KL saved | extra MB | KL saved per MB |", "|---|---|---|---|"]
+        lines += [f"| {g.name} | {g.kl_saved:.5f} | {g.extra_bytes / 1e6:.1f} | {g.kl_saved_per_mb:.5f} |"
+                  for g in result.int8_gains]
+        lines.append("")
     if result.best is None:
         lines.append(f"NO configuration met the target of {space.max_loss * 100:.2f}% perplexity loss.")
     else:
@@ -244,6 +273,7 @@ def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -
                         "is_within_target": c.is_within_target, "is_retimed": c.is_retimed}
                        for c in result.candidates],
         "best": None if result.best is None else result.best.config.label,
+        "int8_gains": [g.to_dict() for g in result.int8_gains],
     }
     write_json(report_dir / "report.json", payload)
     plot(result, report_dir / "report.png")
