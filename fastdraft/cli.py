@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "keeps its own calibration settings (default 64 windows x 512 tokens)")
     quant.add_argument("--num-calib-samples", type=int, default=32,
                        help="with --auto: calibration windows for the grid's GPTQ/AWQ configs")
+    quant.add_argument("--damp-percent", type=float, default=0.1,
+                       help="with --auto: GPTQ's Hessian dampening, a fraction of its mean diagonal")
     quant.add_argument("--calib-seq-len", type=int, default=512, help="with --auto: tokens per calibration window")
     quant.add_argument("--report-dir", help="where --auto writes report.md/.json/.png (default: OUTPUT/report)")
     quant.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -186,6 +188,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
                                 sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
                                 int8_linears=_linear_sets(args.int8_linears), num_int8_sets=args.int8_sets,
                                 max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
+                                damp_percent=args.damp_percent,
                                 calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))

@@ -57,6 +57,9 @@ class AutoSearchSpace:
     lm_head_bits: int = 8
     num_calib_samples: int = 32
     calib_seq_len: int = 512
+    # GPTQ's dampening in the grid: 0.1 beat the usual 0.01 on both Qwen2.5-Coder models
+    # (+10.54% vs +12.82% at g128 asymf on the 1.5B, +2.27% vs +2.50% at g32 on the 0.5B).
+    damp_percent: float = 0.1
     num_decode_tokens: int = 32
     num_timing_rounds: int = 5  # interleaved re-timing of the finalists and the reference
     max_finalists: int = 4  # candidates within target kept in memory for the re-timing
@@ -88,6 +91,7 @@ class AutoSearchSpace:
             return [parse_quant_spec(c) for c in self.candidates]
         configs = [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
                                lm_head_bits=self.lm_head_bits, sensitive_bits=sb, int8_linears=i8,
+                               damp_percent=self.damp_percent if m == "gptq" else QuantConfig.damp_percent,
                                num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
                    for m, g, s, sb, i8 in itertools.product(self.methods, self.group_sizes, self.schemes,
                                                             self.sensitive_bits, self.int8_linears + extra_int8_sets)]

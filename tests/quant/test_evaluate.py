@@ -149,6 +149,13 @@ def test_int8_linear_sets_are_a_grid_dimension():
     assert [c.label for c in space.configs()] == ["rtn-int4-g32-asymf", "rtn-int4-g32-asymf-int8[v_proj+o_proj]"]
 
 
+def test_grid_gptq_uses_the_space_dampening():
+    space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32,), schemes=("asymf",))
+    assert [c.label for c in space.configs()] == ["rtn-int4-g32-asymf", "gptq-int4-g32-asymf-damp0.1"]
+    space = AutoSearchSpace(methods=("gptq",), group_sizes=(32,), schemes=("asymf",), damp_percent=0.01)
+    assert [c.label for c in space.configs()] == ["gptq-int4-g32-asymf"]
+
+
 def test_int8_sensitivity_ranking_adds_nested_sets_to_the_grid(tiny_models, monkeypatch):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
