@@ -120,8 +120,9 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 def _linear_sets(text: str) -> tuple[tuple[str, ...], ...]:
     """``"none,v_proj+o_proj"`` -> ``((), ("v_proj", "o_proj"))``; names are checked by QuantConfig."""
-    sets = tuple(() if item.strip() == "none" else tuple(n.strip() for n in item.split("+") if n.strip())
-                 for item in text.split(",") if item.strip())
+    from fastdraft.quant.config import split_plus_list
+
+    sets = tuple(() if item.strip() == "none" else split_plus_list(item) for item in text.split(",") if item.strip())
     if not sets:
         raise CLIError(f"--int8-linears needs at least one set (or 'none'), got {text!r}")
     return sets

@@ -26,6 +26,11 @@ def _full_linear_name(name: str) -> str:
     raise ValueError(f"unknown decoder linear {name!r}; choose from {', '.join(LAYER_LINEARS)}")
 
 
+def split_plus_list(text: str) -> tuple[str, ...]:
+    """``"v_proj+o_proj"`` -> ``("v_proj", "o_proj")``: how list values are written in a spec."""
+    return tuple(item.strip() for item in text.split("+") if item.strip())
+
+
 def _q4_k_m_more_bits(layer_idx: int, num_layers: int) -> bool:
     """The layers whose v_proj/down_proj llama.cpp's Q4_K_M keeps at 6 bits.
 
@@ -206,7 +211,7 @@ def parse_quant_spec(spec: str) -> QuantConfig:
             except ValueError:
                 raise ValueError(f"{key} must be a number, got {value!r}") from None
         elif str(types[key]).startswith("tuple"):
-            raw[key] = tuple(filter(None, value.split("+")))
+            raw[key] = split_plus_list(value)
         else:
             raw[key] = value
     return QuantConfig.from_dict(raw)
