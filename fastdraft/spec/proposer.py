@@ -41,7 +41,7 @@ class DraftModelProposer:
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
         self.token_ids = token_ids
-        self.step_costs = None  # measured on first use by speculative_generate
+        self.step_costs = {}  # (k_max, prompt-length range) -> StepCosts, filled by speculative_generate
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
@@ -101,7 +101,7 @@ class NgramProposer:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.step_costs = None
+        self.step_costs = {}
 
     def start(self, prompt_ids: list[int]) -> None:
         pass

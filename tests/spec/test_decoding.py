@@ -13,8 +13,9 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
+from fastdraft.spec import decoding
 from fastdraft.spec.decoding import (AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, measure_step_costs,
-                                     speculative_generate)
+                                     speculative_generate, step_costs_for)
 from fastdraft.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
@@ -86,6 +87,57 @@ def test_adaptive_controller_chooses_plain_decoding_for_a_useless_draft():
     costly = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.35, verify=[1.0, 1.8, 2.0, 2.2, 2.4]))
     costly.acceptance = 0.6
     assert costly.next_k() == 0
+
+
+def _plain_steps_until_speculating(controller: AdaptiveDraftLength, max_steps: int = 16) -> int:
+    """Plain steps the controller takes before it drafts again (probes included)."""
+    for step in range(max_steps):
+        k = controller.next_k()
+        if k > 0:
+            return step
+        controller.update(num_draft=0, num_accepted=0)
+    return max_steps
+
+
+def test_adaptive_controller_leaves_a_bad_spell_of_a_good_draft_within_a_few_plain_steps():
+    costs = StepCosts(draft=0.28, verify=[1.0, 1.0, 1.09, 1.24, 1.37])  # the 0.5B/1.5B pair, measured
+    controller = AdaptiveDraftLength(k_max=4, costs=costs)
+    for _ in range(40):  # a good draft: about 0.8 per position
+        controller.update(num_draft=4, num_accepted=4)
+        controller.update(num_draft=4, num_accepted=2)
+    for _ in range(25):  # then a long run of early rejections
+        controller.update(num_draft=2, num_accepted=0)
+    assert controller.next_k() == 0
+    # Plain steps pull the estimate back toward the long-run rate: speculation resumes before
+    # the first k=1 probe (which comes after probe_every = 8 plain steps).
+    assert _plain_steps_until_speculating(controller) < 4
+
+
+def test_adaptive_controller_survives_an_early_rejection():
+    # One rejection at the first step must not cost a request dozens of plain steps (it did
+    # with these costs, measured for the 0.5B/1.5B pair at 1024 tokens of context).
+    controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.29, verify=[1.0, 1.04, 1.12, 1.26, 1.40]))
+    k = controller.next_k()
+    assert k >= 1
+    controller.update(num_draft=k, num_accepted=0)
+    assert _plain_steps_until_speculating(controller) <= 1
+
+
+def test_adaptive_controller_keeps_a_poor_draft_plain_through_plain_steps():
+    controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.3, verify=[1.0, 1.05, 1.1, 1.2, 1.3]))
+    for _ in range(30):
+        controller.update(num_draft=2, num_accepted=0)
+    ks = []
+    for _ in range(32):
+        ks.append(controller.next_k())
+        controller.update(num_draft=ks[-1], num_accepted=0)
+    assert ks.count(0) >= 28 and max(ks) <= 1  # plain, with rare k=1 probes that fail
+
+
+def test_adaptive_controller_validates_its_settings():
+    for kwargs in ({"ema": 1.0}, {"prior": 1.5}, {"prior_trials": 0.0}, {"probe_every": 0}):
+        with pytest.raises(ValueError):
+            AdaptiveDraftLength(k_max=4, **kwargs)
 
 
 def test_adaptive_controller_estimates_per_token_acceptance():
@@ -256,6 +308,23 @@ def test_step_costs_are_measured_at_the_given_context(target):
     assert cache.seq_lens[0] == 0, "the request's cache must not be touched"
     with pytest.raises(ValueError, match="context_len"):
         measure_step_costs(target.model, proposer, 3, context_len=0)
+
+
+def test_step_costs_are_measured_once_per_range_of_prompt_lengths(target, monkeypatch):
+    cache = KVCache.from_config(target.config, 256, dtype=target.model.dtype)
+    proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=3), target, cache)
+    contexts = []
+
+    def measure(target_model, proposer, k_max, context_len, repeats=5):
+        contexts.append((k_max, context_len))
+        return measure_step_costs(target_model, proposer, k_max, context_len, repeats=1)
+
+    monkeypatch.setattr(decoding, "measure_step_costs", measure)
+    short = step_costs_for(target.model, proposer, 3, 20)
+    assert step_costs_for(target.model, proposer, 3, 30) is short  # same power-of-two range
+    step_costs_for(target.model, proposer, 3, 200)  # a longer context: measured again, at its length
+    step_costs_for(target.model, proposer, 2, 20)  # another k_max
+    assert contexts == [(3, 20), (3, 200), (2, 20)]
 
 
 def test_config_validation():
