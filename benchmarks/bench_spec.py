@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3,
                         help="plain and speculative runs, alternated; medians are reported")
-    parser.add_argument("--seeds", type=int, default=3,
+    parser.add_argument("--seeds", type=int, default=8,
                         help="sampled runs (T=0.7) pool this many seeds: one trajectory's acceptance is noisy")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="the target's device (e.g. cuda)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.config import ModelConfig
+from fastdraft.kernels.memory import huge_page_zeros
 
 
 @dataclass
@@ -73,8 +74,10 @@ class KVCache:
         if max_seq_len <= 0 or max_batch_size <= 0:
             raise ValueError("max_seq_len and max_batch_size must be positive")
         shape = (num_layers, max_batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Decoding streams the whole cached prefix at every step, as it streams the weights:
+        # on huge pages too (plain memory where those are unavailable).
+        self.k = huge_page_zeros(shape, dtype, device)
+        self.v = huge_page_zeros(shape, dtype, device)
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.seq_lens = [0] * max_batch_size  # host-side length of each slot

@@ -1,4 +1,4 @@
-"""Memory for weights that every decode step streams: backed by transparent huge pages.
+"""Memory that every decode step streams (weights, the KV cache): backed by transparent huge pages.
 
 Decoding reads every weight byte once per token, in long sequential runs. With 4 KiB pages
 the hardware prefetchers stop at every page boundary and the TLB misses on every page; on
@@ -50,7 +50,9 @@ class _HugePageAllocator:
         if not self.is_available:
             return None
         try:
-            with self._lock:
+            # Normal (not inference) tensors even when called under inference_mode: a region
+            # outlives the call, and its tensors (a KV cache) may be written outside that mode.
+            with self._lock, torch.inference_mode(False):
                 if nbytes > REGION_BYTES // 4:  # large: a region of its own
                     return _Region(nbytes).take(nbytes)
                 block = self._current.take(nbytes) if self._current is not None else None
@@ -77,3 +79,19 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     out = block.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.zeros(shape)`` in memory advised for transparent huge pages on the CPU (plain
+    ``torch.zeros`` elsewhere). For buffers decoding streams through at every step, such as
+    the KV cache, for the reason weights live there."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for size in shape:
+        numel *= size
+    block = _ALLOCATOR.allocate(numel * torch.empty(0, dtype=dtype).element_size())
+    if block is None:
+        return torch.zeros(shape, dtype=dtype)
+    with torch.inference_mode(False):  # see _HugePageAllocator.allocate
+        return block.view(dtype).view(shape)  # fresh anonymous pages: already zero

@@ -1,8 +1,8 @@
-"""Huge-page placement of streamed weights (kernels/memory.py): a copy, never a change."""
+"""Huge-page placement of streamed weights and KV caches (kernels/memory.py): a copy, never a change."""
 
 import torch
 
-from fastdraft.kernels.memory import REGION_BYTES, huge_page_copy
+from fastdraft.kernels.memory import REGION_BYTES, huge_page_copy, huge_page_zeros
 
 
 def test_copies_are_equal_contiguous_and_independent():
@@ -20,3 +20,16 @@ def test_small_tensors_share_regions_and_large_ones_get_their_own():
         assert torch.all(t == i)
     large = huge_page_copy(torch.ones(REGION_BYTES // 2, dtype=torch.uint8))
     assert int(large.sum()) == REGION_BYTES // 2
+
+
+def test_zeros_are_zero_and_writable_outside_inference_mode():
+    with torch.inference_mode():  # as when a KV cache is made inside a generate call
+        copies = [huge_page_copy(torch.full((1000,), 7.0)) for _ in range(3)]
+        zeros = huge_page_zeros((3, 50, 16), torch.bfloat16)
+        big = huge_page_zeros((4, 3 << 20), torch.float32)  # a region of its own
+    del copies
+    for t in (zeros, big):
+        assert not t.is_inference() and t.is_contiguous() and not t.any()
+        t.add_(1)  # a KV cache is written in place, in or out of inference mode
+        assert bool((t == 1).all())
+    assert huge_page_zeros((2, 3), torch.float32, device="meta").device.type == "meta"
