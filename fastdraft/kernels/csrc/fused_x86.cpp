@@ -263,6 +263,18 @@ torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Te
 namespace {
 
 constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results are deterministic
+// Software prefetch this many keys ahead in q K^T and P V. The cached keys sit in 4 KiB runs per
+// head (16-32 keys), and the hardware prefetchers stop at each run's end, so without it every
+// run starts with a DRAM round trip. Measured on this VM, one layer over 1030 cold keys: 1.5B
+// 34.0 -> 22.4 us, 0.5B 17.2 -> 13.0 us (3-4% slower when the keys are already in cache);
+// whole decode steps 1.03-1.04x (interleaved A/B, 1.5B and 0.5B INT4 at 1024 keys).
+constexpr int64_t kKeysAhead = 32;
+
+// Prefetch `count` bf16 values from p into L1.
+inline void prefetch_row(const at::BFloat16* p, int64_t count) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
 
 // Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
 template <typename T>
@@ -343,6 +355,8 @@ void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int6
   alignas(64) uint32_t kt[128 * 16];  // [pairs][16 keys], d <= 256
   for (int64_t lt = 0; lt < n; lt += 16) {
     const int64_t nk = std::min<int64_t>(16, n - lt);
+    for (int64_t j = lt + kKeysAhead; j < std::min<int64_t>(n, lt + kKeysAhead + 16); ++j)
+      prefetch_row(k + (l0 + j) * k_stride, d);
     for (int64_t c = 0; c < pairs / 16; ++c) {
       __m512i tile[16];
       for (int j = 0; j < 16; ++j)
@@ -384,6 +398,8 @@ __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs_any; ++j) {
     const at::BFloat16* va = v + 2 * j * v_stride;
+    if (2 * j + kKeysAhead + 1 < n)  // this block's dims of the two rows kKeysAhead keys on
+      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row(va + r * v_stride, 16 * NV);
     const bool has_b = 2 * j + 1 < n;
     __m512i vv[NV];  // dims 16i..16i+15 of keys 2j and 2j+1, interleaved
     for (int h = 0; h < NV / 2; ++h) {
