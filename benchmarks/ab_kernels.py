@@ -1,0 +1,103 @@
+"""A/B two builds of fastdraft's C++ CPU kernels on whole decode (or verification) steps.
+
+Each build is compiled from a folder holding the extension's sources (a copy of
+``fastdraft/kernels/csrc``, changed or not). The model is loaded and quantized once per
+build, each with its own KV cache holding a ``--context``-token prefix; the builds then take
+turns for ``--rounds`` rounds, each timing the median of ``--steps`` forward passes of
+``--tokens`` tokens. The figure is the median over rounds of the per-round speed ratio, which
+cancels the drift of this VM's memory bandwidth.
+
+Every model must run the build it was loaded with. The fused decoder is built at a model's
+first decode step, so each model makes that step while the loader still points at its own
+build, and the script checks which build each decoder holds: an earlier harness that
+skipped this timed the second build against itself.
+
+    python benchmarks/ab_kernels.py /tmp/a fastdraft/kernels/csrc --tokens 1,5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+import fastdraft.kernels.build as build
+import fastdraft.kernels.fused as fused
+import fastdraft.kernels.x86 as x86
+import fastdraft.models.fused_decoder as fused_decoder
+from fastdraft.engine.kv_cache import KVCache
+from fastdraft.models.loader import load_model
+
+# Modules that bound ``load_x86_extension`` by name: pointed at one build at a time.
+_LOADER_USERS = (x86, fused, fused_decoder)
+
+
+def build_from(folder: Path) -> ModuleType:
+    """The extension compiled from ``folder``'s copies of the kernel sources."""
+    from torch.utils import cpp_extension
+
+    sources = [folder / s.name for s in build.SOURCES]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + [folder / h.name for h in build.HEADERS]))
+    name = f"fastdraft_ab_{digest.hexdigest()[:12]}"
+    out = Path(build.cache_dir()).parent / name
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=build.CFLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+
+
+def load_with(ext: ModuleType, args: argparse.Namespace):
+    """The model quantized and its first decode step run with ``ext``; -> (model, cache)."""
+    for module in _LOADER_USERS:
+        module.load_x86_extension = lambda ext=ext: ext
+    loaded = load_model(args.model, dtype="bf16", load_in_low_bit=args.low_bit)
+    model = loaded.model
+    cache = KVCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
+    model(torch.randint(0, 10000, (1, args.context)), cache, cache.append(args.context))
+    model(torch.zeros(1, 1, dtype=torch.long), cache, cache.append(1))  # builds the fused decoder
+    entry = model.model.__dict__.get(fused_decoder._CACHE_ATTR)
+    if entry is None or entry[1] is None or entry[1].ext is not ext:
+        raise SystemExit("the model's fused decoder does not hold the build it was loaded with")
+    return model, cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", type=Path, help="folder with build A's sources (the baseline)")
+    parser.add_argument("b", type=Path, help="folder with build B's sources")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--low-bit", default="sym_int4", help="load_in_low_bit for both (default sym_int4)")
+    parser.add_argument("--context", type=int, default=1024, help="cached tokens before each pass")
+    parser.add_argument("--tokens", default="1,5", help="comma-separated tokens per pass (decode, verification)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=15, help="passes timed per round (median)")
+    args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    torch.set_grad_enabled(False)
+    systems = [load_with(build_from(folder), args) for folder in (args.a, args.b)]
+    times: dict[tuple[int, int], list[float]] = {(i, n): [] for i in range(2) for n in args.tokens}
+    for _ in range(args.rounds):
+        for n in args.tokens:
+            step = torch.zeros(1, n, dtype=torch.long)
+            for i, (model, cache) in enumerate(systems):
+                samples = []
+                for _ in range(args.steps):
+                    cache.truncate(args.context)
+                    start = time.perf_counter()
+                    model(step, cache, cache.append(n))
+                    samples.append(time.perf_counter() - start)
+                times[(i, n)].append(statistics.median(samples))
+    print(f"{args.model} ({args.low_bit}), {args.context} cached tokens, {args.rounds} interleaved rounds")
+    for n in args.tokens:
+        a, b = times[(0, n)], times[(1, n)]
+        ratio = statistics.median(x / y for x, y in zip(a, b))
+        print(f"  {n} token(s)/pass: A {statistics.median(a) * 1e3:.2f} ms, B {statistics.median(b) * 1e3:.2f} ms, "
+              f"B is {ratio:.3f}x A's speed (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()
