@@ -13,6 +13,7 @@ in it is freed. Where huge pages are unavailable, tensors get plain memory.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 
@@ -68,15 +69,22 @@ class _HugePageAllocator:
 _ALLOCATOR = _HugePageAllocator()
 
 
+def _huge_page_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised CPU tensor in huge-page memory (fresh anonymous pages, so all zero
+    bytes), or ``None`` where that is not possible."""
+    block = _ALLOCATOR.allocate(math.prod(shape) * dtype.itemsize)
+    if block is None:
+        return None
+    with torch.inference_mode(False):  # see _HugePageAllocator.allocate
+        return block.view(dtype).view(shape)
+
+
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy of ``t`` in memory advised for transparent huge pages, or
     ``t.contiguous()`` where that is not possible (other devices, non-Linux)."""
-    if t.device.type != "cpu":
+    out = _huge_page_empty(t.shape, t.dtype) if t.device.type == "cpu" else None
+    if out is None:
         return t.contiguous()
-    block = _ALLOCATOR.allocate(t.numel() * t.element_size())
-    if block is None:
-        return t.contiguous()
-    out = block.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
 
@@ -85,13 +93,5 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     """``torch.zeros(shape)`` in memory advised for transparent huge pages on the CPU (plain
     ``torch.zeros`` elsewhere). For buffers decoding streams through at every step, such as
     the KV cache, for the reason weights live there."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for size in shape:
-        numel *= size
-    block = _ALLOCATOR.allocate(numel * torch.empty(0, dtype=dtype).element_size())
-    if block is None:
-        return torch.zeros(shape, dtype=dtype)
-    with torch.inference_mode(False):  # see _HugePageAllocator.allocate
-        return block.view(dtype).view(shape)  # fresh anonymous pages: already zero
+    out = _huge_page_empty(shape, dtype) if torch.device(device).type == "cpu" else None
+    return out if out is not None else torch.zeros(shape, dtype=dtype, device=device)
