@@ -18,7 +18,6 @@ skipped this timed the second build against itself.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -39,15 +38,10 @@ _LOADER_USERS = (x86, fused, fused_decoder)
 
 def build_from(folder: Path) -> ModuleType:
     """The extension compiled from ``folder``'s copies of the kernel sources."""
-    from torch.utils import cpp_extension
+    from fastdraft.models.registry import fastdraft_home
 
-    sources = [folder / s.name for s in build.SOURCES]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + [folder / h.name for h in build.HEADERS]))
-    name = f"fastdraft_ab_{digest.hexdigest()[:12]}"
-    out = Path(build.cache_dir()).parent / name
-    out.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=build.CFLAGS,
-                              extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+    key = build.source_key(folder)
+    return build.compile_extension(f"fastdraft_ab_{key}", folder, fastdraft_home() / "kernels" / f"ab-{key}")
 
 
 def load_with(ext: ModuleType, args: argparse.Namespace):

@@ -23,8 +23,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq_x86.cpp", "fused_x86.cpp", "decoder_x86.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "x86_kernels.h"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCE_NAMES = ("woq_x86.cpp", "fused_x86.cpp", "decoder_x86.cpp")
+HEADER_NAMES = ("x86_kernels.h",)
 # Every instruction the kernels use; the build never targets the build machine (-march=native)
 # so that a cache shared between machines stays valid.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
@@ -51,15 +52,32 @@ def missing_cpu_flags() -> list[str]:
     return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
 
 
+def source_key(csrc: Path = CSRC) -> str:
+    """Identity of a build from ``csrc``: its sources and headers, the compiler flags and the
+    torch/Python versions, so a change to any of them rebuilds instead of loading a stale binary."""
+    key = hashlib.sha256()
+    for name in SOURCE_NAMES + HEADER_NAMES:
+        key.update((csrc / name).read_bytes())
+    key.update(" ".join(CFLAGS).encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return key.hexdigest()[:16]
+
+
 def cache_dir() -> Path:
     from fastdraft.models.registry import fastdraft_home
 
-    key = hashlib.sha256()
-    for source in SOURCES + HEADERS:
-        key.update(source.read_bytes())
-    key.update(" ".join(CFLAGS).encode())
-    key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
-    return fastdraft_home() / "kernels" / f"woq_x86-{key.hexdigest()[:16]}"
+    return fastdraft_home() / "kernels" / f"woq_x86-{source_key()}"
+
+
+def compile_extension(name: str, csrc: Path, build_dir: Path) -> ModuleType:
+    """Compile (or load, when ``build_dir`` holds it already) the extension from ``csrc``'s
+    sources as module ``name``; raises if the build fails."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
+    return cpp_extension.load(name=name, sources=[str(csrc / n) for n in SOURCE_NAMES], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 @functools.cache
@@ -76,17 +94,11 @@ def load_x86_extension() -> ModuleType | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         logger.warning("no C++ compiler found: using PyTorch's weight-only kernels instead of fastdraft's")
         return None
-    from torch.utils import cpp_extension
-
     build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    is_cached = any(build_dir.glob("*.so"))
-    if not is_cached:
+    if not any(build_dir.glob("*.so")):
         logger.warning("building fastdraft's CPU kernels (first use only, about a minute) in %s", build_dir)
     try:
-        # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
-        return cpp_extension.load(name="fastdraft_woq_x86", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        return compile_extension("fastdraft_woq_x86", CSRC, build_dir)
     except Exception as exc:  # compiler missing pieces, ninja absent, ...: fall back, never crash
         logger.warning("could not build fastdraft's CPU kernels (%s): using PyTorch's kernels", exc)
         return None
