@@ -21,6 +21,8 @@
 #include <atomic>
 #include <exception>
 #include <memory>
+#include <numeric>
+#include <utility>
 #include <vector>
 
 #include "x86_kernels.h"
@@ -185,39 +187,60 @@ class WorkSplit {
 
 // A weight-only projection run by every thread of the decoder's parallel region: its leaf
 // weights (several when formats differ, e.g. an INT8 v_proj beside INT4 q/k), their int8
-// activations, and each thread's share of the tiles, split by bytes so all threads stream
-// about as much weight.
+// activations, its output, and each thread's share of the tiles, split by bytes so all threads
+// stream about as much weight. One object serves one projection of every layer in turn:
+// bind() points it at a layer's weights while no thread uses it, and its buffers are reused.
 class Projection {
  public:
-  // Serial: quantize x [T, K] for every leaf, allocate the output [T, N] and share the tiles
-  // among num_threads threads.
-  void begin(const Linear& lin, const torch::Tensor& x, int num_threads) {
+  // Serial: use lin for inputs of `rows` rows, with outputs in `options`' dtype.
+  void bind(const Linear& lin, int64_t rows, const torch::TensorOptions& options, int num_threads) {
     leaves_.clear();
     collect(lin, 0, leaves_);
-    acts_.resize(leaves_.size());
-    for (size_t i = 0; i < leaves_.size(); ++i) {
-      const auto& w = leaves_[i].lin->woq;
-      leaves_[i].act = static_cast<int>(i);
-      for (size_t j = 0; j < i; ++j)  // leaves of one format share their activations
-        if (acts_[j].rows && acts_[j].matches(w.k_pad, w.block, w.group)) { leaves_[i].act = static_cast<int>(j); break; }
-      if (leaves_[i].act == static_cast<int>(i)) fastdraft::quantize_activations(x, w.k_pad, w.block, w.group, acts_[i]);
-      else acts_[i].rows = 0;
+    num_acts_ = 0;
+    unit_ = 1;
+    k_pad_ = 0;
+    for (auto& leaf : leaves_) {
+      const auto& w = leaf.lin->woq;
+      leaf.act = -1;
+      for (int j = 0; j < num_acts_; ++j)  // leaves of one format share their activations
+        if (acts_[j].matches(w.k_pad, w.block, w.group)) leaf.act = j;
+      if (leaf.act >= 0) continue;
+      if (static_cast<int>(acts_.size()) <= num_acts_) acts_.emplace_back();
+      fastdraft::size_activations(rows, w.k_pad, w.block, w.group, acts_[num_acts_]);
+      leaf.act = num_acts_++;
+      unit_ = std::lcm(unit_, w.group);
+      k_pad_ = std::max(k_pad_, w.k_pad);
     }
-    out_ = torch::empty({x.size(0), lin.out_features()}, x.options());
-    split_.reset(initial_shares(leaves_, num_threads), std::max<int64_t>(1, kChunkBytes / leaves_[0].lin->woq.tile_bytes()));
+    const int64_t n = lin.out_features();
+    if (!out_.defined() || out_.size(0) != rows || out_.size(1) != n || out_.scalar_type() != options.dtype())
+      out_ = torch::empty({rows, n}, options);
+    has_bias_ = false;
+    for (const auto& leaf : leaves_) has_bias_ = has_bias_ || leaf.lin->bias.defined();
+    initial_shares(leaves_, num_threads, shares_);
+    split_.reset(shares_, std::max<int64_t>(1, kChunkBytes / leaves_[0].lin->woq.tile_bytes()));
   }
 
-  // An idle thread (while thread 0 runs serial ops): fetch into L2 the first max_bytes of its
-  // initial share of lin's weights, so that its stream is under way when the projection starts
-  // instead of the memory bus idling through the serial ops.
-  static void prefetch_share(const Linear& lin, int tid, int num_threads, int64_t max_bytes) {
-    std::vector<Leaf> leaves;
-    collect(lin, 0, leaves);
-    const int64_t first = initial_shares(leaves, num_threads)[tid];
-    for (const auto& leaf : leaves) {
-      const int64_t n = leaf.lin->woq.num_tiles();
-      if (first >= leaf.first_tile + n) continue;
+  // Columns per quantization unit: every activation format's group divides it.
+  int64_t unit() const { return unit_; }
+  int64_t k_pad() const { return k_pad_; }
+  const torch::Tensor& out() const { return out_; }
+  bool has_bias() const { return has_bias_; }
+
+  // Any thread: quantize columns [c0, c1) of x [T, K] (multiples of unit(); c1 may be
+  // k_pad(), past K) for every activation format.
+  void quantize(const torch::Tensor& x, int64_t c0, int64_t c1) {
+    for (int j = 0; j < num_acts_; ++j)
+      if (c0 < acts_[j].k_pad) fastdraft::quantize_activation_columns(x, c0, c1, acts_[j]);
+  }
+
+  // Any thread: fetch into L2 the first max_bytes of its initial share of the weights, so that
+  // its stream is under way when the projection starts.
+  void prefetch_share(int tid, int64_t max_bytes) const {
+    const int64_t first = shares_[tid];
+    for (const auto& leaf : leaves_) {
       const auto& w = leaf.lin->woq;
+      const int64_t n = w.num_tiles();
+      if (first >= leaf.first_tile + n) continue;
       const char* p = reinterpret_cast<const char*>(w.tile(first - leaf.first_tile));
       const int64_t bytes = std::min(max_bytes, (leaf.first_tile + n - first) * w.tile_bytes());
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
@@ -237,11 +260,14 @@ class Projection {
     });
   }
 
-  // Serial: add the biases; -> [T, N].
-  torch::Tensor finish() const {
-    for (const auto& leaf : leaves_)
-      if (leaf.lin->bias.defined()) fastdraft::add_bias(out_, leaf.col0, leaf.lin->bias);
-    return out_;
+  // Any thread: add the biases to output columns [c0, c1).
+  void add_bias(int64_t c0, int64_t c1) const {
+    for (const auto& leaf : leaves_) {
+      if (!leaf.lin->bias.defined()) continue;
+      const int64_t b0 = std::max<int64_t>(c0 - leaf.col0, 0);
+      const int64_t b1 = std::min<int64_t>(c1 - leaf.col0, leaf.lin->woq.out_features);
+      if (b0 < b1) fastdraft::add_bias(out_, leaf.col0, leaf.lin->bias, b0, b1);
+    }
   }
 
  private:
@@ -266,10 +292,10 @@ class Projection {
   }
 
   // shares[t]: the first tile of thread t's initial share; the shares hold equal bytes.
-  static std::vector<int64_t> initial_shares(const std::vector<Leaf>& leaves, int num_threads) {
+  static void initial_shares(const std::vector<Leaf>& leaves, int num_threads, std::vector<int64_t>& shares) {
     int64_t total_bytes = 0;
     for (const auto& leaf : leaves) total_bytes += leaf.lin->woq.num_tiles() * leaf.lin->woq.tile_bytes();
-    std::vector<int64_t> shares(num_threads + 1, leaves.back().first_tile + leaves.back().lin->woq.num_tiles());
+    shares.assign(num_threads + 1, leaves.back().first_tile + leaves.back().lin->woq.num_tiles());
     shares[0] = 0;
     for (int t = 1; t < num_threads; ++t) {
       const int64_t target = total_bytes * t / num_threads;
@@ -283,106 +309,203 @@ class Projection {
         bytes += n * tb;
       }
     }
-    return shares;
   }
 
   std::vector<Leaf> leaves_;
-  std::vector<fastdraft::Activations> acts_;
-  torch::Tensor out_;
+  std::vector<fastdraft::Activations> acts_;  // the first num_acts_ are in use
+  int num_acts_ = 0;
+  int64_t unit_ = 1, k_pad_ = 0;
+  bool has_bias_ = false;
+  torch::Tensor out_;  // [T, N]
+  std::vector<int64_t> shares_;
   WorkSplit split_;
 };
 
-// All layers, every projection weight-only, inside one OpenMP parallel region: thread 0 runs
-// the small serial ops (norms, rotary and cache writes, residuals) while the others fetch the
-// start of their next weights, and every thread streams its share of each projection and of
-// the attention's (head, key split) items, with a barrier between steps. The arithmetic is
-// the ops' own, in the same order: results are bit-identical to layer_forward.
-// Measured against layer_forward (interleaved A/B, 1.5B and 0.5B INT4 decode at 1030 keys):
-// within 1% in quiet spells; what it removes is the barrier waits of a thread slowed by a
-// neighbour (3 ms of a 21 ms step in one slow spell, 0.15 ms with work stealing).
-constexpr int64_t kIdlePrefetchBytes = 256 * 1024;
+// Thread tid's share [begin, end) of n items handed out in whole units of `unit` (the last
+// one may be short): contiguous, in thread order.
+std::pair<int64_t, int64_t> unit_share(int tid, int num_threads, int64_t n, int64_t unit) {
+  const int64_t units = (n + unit - 1) / unit;
+  return {std::min(n, units * tid / num_threads * unit), std::min(n, units * (tid + 1) / num_threads * unit)};
+}
 
-torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor h,
+// All layers, every projection weight-only, inside one OpenMP parallel region. Every step is
+// shared by all threads with a barrier between steps: each projection's tiles, the attention's
+// (head, key split) items, and the elementwise work between them, which each thread runs on
+// its own columns (the ones it then quantizes) or its own heads, so no step needs a second
+// barrier. Thread 0 also binds each projection object to its next layer while no thread uses
+// it. The arithmetic is the ops' own, in the same order: results are bit-identical to
+// layer_forward.
+// Against the earlier design (thread 0 ran the elementwise steps alone, allocating each
+// result, while the others prefetched 256 KB of their next weights), per-phase timers of a
+// 1.5B INT4 step: elementwise time 1.13 -> 0.80 ms at 1 token, 3.2 -> 2.5 ms at 5, part of it
+// given back in the projections, which lose that prefetch head start. Whole steps, 30
+// interleaved rounds in a noisy hour: 1.5B 1.008x (1 token) / 1.032x (5 tokens), 0.5B
+// 1.032x / 0.996x. Prefetching at each step's end: 64 KB per thread; 256 KB at its start cost
+// more on the critical path than it saved (issuing 4096 prefetches stalls the thread).
+constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
+
+torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, int64_t start) {
-  const int64_t num_tokens = h.size(0);
-  Projection projection;
+  const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
+  const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
+  const DecoderLayer& first = *layers[0];
+  for (const auto& layer : layers)
+    TORCH_CHECK(layer->num_heads == first.num_heads && layer->num_kv_heads == first.num_kv_heads &&
+                    layer->head_dim == first.head_dim &&
+                    layer->gate_up->out_features() == first.gate_up->out_features(),
+                "the fused decoder needs every layer of one shape");
+  const int64_t d = first.head_dim, num_heads = first.num_heads, num_kv_heads = first.num_kv_heads;
+  const int64_t intermediate = first.gate_up->out_features() / 2;
+  const auto options = h.options();
+  // The residual stream alternates between resid (into a layer) and mid (after attention).
+  auto resid = h.clone(), mid = torch::empty_like(h), normed = torch::empty_like(h);  // [T, hidden]
+  auto attn_out = torch::empty({num_tokens, num_heads * d}, options);
+  auto mlp_act = torch::empty({num_tokens, intermediate}, options);
+  auto q_rows = torch::empty({1, num_kv_heads, num_tokens * (num_heads / num_kv_heads), d}, options);
+  Projection qkv, o_proj, gate_up, down;
+  qkv.bind(*first.qkv, num_tokens, options, nth);
+  o_proj.bind(*first.o_proj, num_tokens, options, nth);
+  gate_up.bind(*first.gate_up, num_tokens, options, nth);
+  down.bind(*first.down, num_tokens, options, nth);
   fastdraft::AttentionPlan plan;
   WorkSplit attention_split;
+  std::vector<int64_t> attention_shares(nth + 1);
   // Each layer's cache as [kv_heads, max_seq_len, head_dim] and [1, ...], made here: a view
-  // costs about a microsecond of dispatch, which adds up over the serial steps.
+  // costs about a microsecond of dispatch.
   std::vector<torch::Tensor> k_cache_layers, v_cache_layers, k_layers, v_layers;
-  for (size_t i = 0; i < layers.size(); ++i) {
+  for (int i = 0; i < num_layers; ++i) {
     k_cache_layers.push_back(k_cache[i]);
     v_cache_layers.push_back(v_cache[i]);
     k_layers.push_back(k_cache_layers.back().unsqueeze(0));
     v_layers.push_back(v_cache_layers.back().unsqueeze(0));
   }
-  torch::Tensor hidden;  // after attention's residual
   std::exception_ptr error;
-  bool failed = false;
-  // Thread 0 only; an exception stops every thread at the next barrier, to be rethrown.
-  auto serial = [&](int tid, auto&& fn) {
-    if (tid != 0 || failed) return;
+  std::atomic<bool> failed{false};
+  // Any thread; an exception stops every thread at the next barrier, to be rethrown.
+  auto guarded = [&](auto&& fn) {
+    if (failed.load(std::memory_order_relaxed)) return;
     try {
       fn();
     } catch (...) {
-      error = std::current_exception();
+#pragma omp critical(fastdraft_decoder_error)
+      if (!error) error = std::current_exception();
       failed = true;
     }
   };
-#pragma omp parallel num_threads(at::get_num_threads())
+  const torch::Tensor none;
+#pragma omp parallel num_threads(nth)
   {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    for (size_t i = 0; i < layers.size(); ++i) {
+    const int tid = omp_get_thread_num();
+    const int64_t kv0 = num_kv_heads * tid / nth, kv1 = num_kv_heads * (tid + 1) / nth;  // this thread's kv heads
+    for (int i = 0; i < num_layers; ++i) {
       const DecoderLayer& layer = *layers[i];
-      const int64_t d = layer.head_dim;
-      serial(tid, [&] { projection.begin(*layer.qkv, rms_norm(h, layer.input_norm, layer.eps), nth); });
-      if (tid != 0) Projection::prefetch_share(*layer.qkv, tid, nth, kIdlePrefetchBytes);
+      // The previous layer's residual (its MLP output into resid), input norm, qkv activations.
+      guarded([&] {
+        const auto [c0, c1] = unit_share(tid, nth, qkv.k_pad(), qkv.unit());
+        if (i == 0) {
+          fastdraft::residual_rms_norm_columns(resid, none, layer.input_norm, layer.eps, none, normed,
+                                               std::min(c0, hidden_size), std::min(c1, hidden_size));
+        } else {
+          fastdraft::residual_rms_norm_columns(mid, down.out(), layer.input_norm, layer.eps, resid, normed,
+                                               std::min(c0, hidden_size), std::min(c1, hidden_size));
+        }
+        qkv.quantize(normed, c0, c1);
+        if (tid == 0) {
+          fastdraft::attention_replan(plan, q_rows, k_layers[i], v_layers[i], layer.scale, num_tokens,
+                                      start + num_tokens);
+          for (int t = 0; t <= nth; ++t) attention_shares[t] = plan.num_items * t / nth;
+          attention_split.reset(attention_shares, 1);
+          gate_up.bind(*layer.gate_up, num_tokens, options, nth);
+        }
+        qkv.prefetch_share(tid, kSectionPrefetchBytes);
+      });
 #pragma omp barrier
       if (failed) break;
-      projection.run(tid);
+      qkv.run(tid);
 #pragma omp barrier
-      serial(tid, [&] {
-        auto q_rows = fastdraft::rope_to_cache(projection.finish(), cos, sin, layer.num_heads, layer.num_kv_heads, d,
-                                               k_cache_layers[i], v_cache_layers[i], start);  // [1, kv_heads, T * group, head_dim]
-        plan = fastdraft::attention_plan(q_rows, k_layers[i], v_layers[i], layer.scale, num_tokens, start + num_tokens);
-        std::vector<int64_t> shares(nth + 1);
-        for (int t = 0; t <= nth; ++t) shares[t] = plan.num_items * t / nth;
-        attention_split.reset(shares, 1);
+      // Biases, rotary, cache writes and q for this thread's kv heads.
+      guarded([&] {
+        const int64_t group = num_heads / num_kv_heads, q_size = num_heads * d, kv_size = num_kv_heads * d;
+        if (qkv.has_bias() && kv0 < kv1) {
+          qkv.add_bias(kv0 * group * d, kv1 * group * d);
+          qkv.add_bias(q_size + kv0 * d, q_size + kv1 * d);
+          qkv.add_bias(q_size + kv_size + kv0 * d, q_size + kv_size + kv1 * d);
+        }
+        fastdraft::rope_to_cache_heads(qkv.out(), cos, sin, num_heads, num_kv_heads, d, k_cache_layers[i],
+                                       v_cache_layers[i], start, q_rows, kv0, kv1);
+        fastdraft::attention_scale_q(plan, kv0, kv1);
+        if (tid == 0) down.bind(*layer.down, num_tokens, options, nth);
+        o_proj.prefetch_share(tid, kSectionPrefetchBytes);
       });
-      if (tid != 0) Projection::prefetch_share(*layer.o_proj, tid, nth, kIdlePrefetchBytes);
 #pragma omp barrier
       if (failed) break;
       attention_split.run(tid, [&](int64_t begin, int64_t end) { fastdraft::attention_items(plan, begin, end); });
 #pragma omp barrier
-      serial(tid, [&] {
-        projection.begin(*layer.o_proj, fastdraft::attention_finish_tokens(plan, num_tokens), nth);  // [T, q_size]
+      // This thread's query heads of the attention output, and their o_proj activations.
+      guarded([&] {
+        const int64_t heads_per_unit = std::lcm(o_proj.unit(), d) / d;
+        const auto [j0, j1] = unit_share(tid, nth, num_heads, heads_per_unit);
+        fastdraft::attention_finish_tokens_heads(plan, num_tokens, attn_out, j0, j1);
+        if (j0 < j1) o_proj.quantize(attn_out, j0 * d, j1 == num_heads ? o_proj.k_pad() : j1 * d);
+        if (tid == 0 && i + 1 < num_layers) qkv.bind(*layers[i + 1]->qkv, num_tokens, options, nth);
       });
 #pragma omp barrier
       if (failed) break;
-      projection.run(tid);
+      o_proj.run(tid);
 #pragma omp barrier
-      serial(tid, [&] {
-        hidden = fastdraft::add(h, projection.finish());
-        projection.begin(*layer.gate_up, rms_norm(hidden, layer.post_attention_norm, layer.eps), nth);
+      if (o_proj.has_bias()) {  // every thread reads whole rows below: biases first
+        guarded([&] {
+          const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
+          o_proj.add_bias(c0, c1);
+        });
+#pragma omp barrier
+      }
+      // The attention residual into mid, post-attention norm, gate_up activations.
+      guarded([&] {
+        const auto [c0, c1] = unit_share(tid, nth, gate_up.k_pad(), gate_up.unit());
+        fastdraft::residual_rms_norm_columns(resid, o_proj.out(), layer.post_attention_norm, layer.eps, mid, normed,
+                                             std::min(c0, hidden_size), std::min(c1, hidden_size));
+        gate_up.quantize(normed, c0, c1);
+        gate_up.prefetch_share(tid, kSectionPrefetchBytes);
       });
-      if (tid != 0) Projection::prefetch_share(*layer.gate_up, tid, nth, kIdlePrefetchBytes);
 #pragma omp barrier
       if (failed) break;
-      projection.run(tid);
+      gate_up.run(tid);
 #pragma omp barrier
-      serial(tid, [&] { projection.begin(*layer.down, silu_and_mul(projection.finish()), nth); });
-      if (tid != 0) Projection::prefetch_share(*layer.down, tid, nth, kIdlePrefetchBytes);
+      // Biases, silu(gate) * up and down's activations of this thread's columns.
+      guarded([&] {
+        const auto [c0, c1] = unit_share(tid, nth, down.k_pad(), down.unit());
+        const int64_t e0 = std::min(c0, intermediate), e1 = std::min(c1, intermediate);
+        if (gate_up.has_bias()) {
+          gate_up.add_bias(e0, e1);
+          gate_up.add_bias(intermediate + e0, intermediate + e1);
+        }
+        fastdraft::silu_and_mul_columns(gate_up.out(), mlp_act, e0, e1);
+        down.quantize(mlp_act, c0, c1);
+        if (tid == 0 && i + 1 < num_layers) o_proj.bind(*layers[i + 1]->o_proj, num_tokens, options, nth);
+        down.prefetch_share(tid, kSectionPrefetchBytes);
+      });
 #pragma omp barrier
       if (failed) break;
-      projection.run(tid);
+      down.run(tid);
 #pragma omp barrier
-      serial(tid, [&] { h = fastdraft::add(hidden, projection.finish()); });
+      if (down.has_bias()) {
+        guarded([&] {
+          const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
+          down.add_bias(c0, c1);
+        });
+#pragma omp barrier
+      }
     }
+    // The last layer's residual.
+    guarded([&] {
+      const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
+      fastdraft::add_columns(mid, down.out(), resid, c0, c1);
+    });
   }
   if (error) std::rethrow_exception(error);
-  return h;
+  return resid;
 }
 
 }  // namespace

@@ -75,19 +75,21 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, floa
   }
 }
 
+// out[i] = silu(gate[i]) * up[i] for i < n, the silu rounded to T first.
+template <typename T>
+void silu_mul_span(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = mask_for(n - i);
+    const __m512 g = load16(gate + i, m);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = to_dtype<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store16(out + i, _mm512_mul_ps(s, load16(up + i, m)), m);
+  }
+}
+
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = x + r * 2 * n;
-    const T* up = gate + n;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = mask_for(n - i);
-      const __m512 g = load16(gate + i, m);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 s = to_dtype<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-      store16(out + r * n + i, _mm512_mul_ps(s, load16(up + i, m)), m);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) silu_mul_span(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n);
 }
 
 // x row: heads x head_dim; out = x * cos + rotate_half(x) * sin, each product rounded to T.
@@ -194,36 +196,97 @@ void add_span(const T* a, const T* b, T* out, int64_t n) {
 
 }  // namespace
 
-void fastdraft::add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias) {
+void fastdraft::add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias, int64_t b0, int64_t b1) {
+  if (b1 < 0) b1 = bias.numel();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && bias.dim() == 1 && bias.is_contiguous() &&
-                  bias.scalar_type() == x.scalar_type() && col0 + bias.numel() <= x.size(1),
+                  bias.scalar_type() == x.scalar_type() && col0 + bias.numel() <= x.size(1) && 0 <= b0 &&
+                  b0 <= b1 && b1 <= bias.numel(),
               "bias must be [N] in x's dtype, within x's columns");
   for (int64_t r = 0; r < x.size(0); ++r) {
     if (x.scalar_type() == at::kFloat) {
-      float* xr = x.data_ptr<float>() + r * x.stride(0) + col0;
-      add_span(xr, bias.data_ptr<float>(), xr, bias.numel());
+      float* xr = x.data_ptr<float>() + r * x.stride(0) + col0 + b0;
+      add_span(xr, bias.data_ptr<float>() + b0, xr, b1 - b0);
     } else {
-      at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * x.stride(0) + col0;
-      add_span(xr, bias.data_ptr<at::BFloat16>(), xr, bias.numel());
+      at::BFloat16* xr = x.data_ptr<at::BFloat16>() + r * x.stride(0) + col0 + b0;
+      add_span(xr, bias.data_ptr<at::BFloat16>() + b0, xr, b1 - b0);
     }
   }
 }
 
-torch::Tensor fastdraft::add(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
-              "a and b must be contiguous, of one shape and dtype (float32 or bfloat16)");
-  auto out = torch::empty_like(a);
-  if (a.scalar_type() == at::kFloat)
-    add_span(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), a.numel());
-  else
-    add_span(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), a.numel());
-  return out;
+namespace {
+
+// Calls fn(T* tag) with T the (float32 or bfloat16) dtype of x.
+template <typename F>
+void with_dtype(const torch::Tensor& x, F&& fn) {
+  if (x.scalar_type() == at::kFloat) fn(static_cast<float*>(nullptr));
+  else fn(static_cast<at::BFloat16*>(nullptr));
 }
 
-torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                       const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start) {
+}  // namespace
+
+void fastdraft::add_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, int64_t c0,
+                            int64_t c1) {
+  const int64_t n = a.size(1);
+  with_dtype(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t r = 0; r < a.size(0); ++r)
+      add_span(a.data_ptr<T>() + r * n + c0, b.data_ptr<T>() + r * n + c0, out.data_ptr<T>() + r * n + c0, c1 - c0);
+  });
+}
+
+void fastdraft::residual_rms_norm_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& weight,
+                                          double eps, const torch::Tensor& sum_out, const torch::Tensor& out,
+                                          int64_t c0, int64_t c1) {
+  const int64_t h = a.size(1);
+  TORCH_CHECK(weight.scalar_type() == a.scalar_type() && weight.is_contiguous() && weight.numel() == h,
+              "weight must match x's dtype and last dim");
+  TORCH_CHECK(0 <= c0 && c0 <= c1 && c1 <= h, "columns out of range");
+  with_dtype(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* w = weight.data_ptr<T>();
+    T* sums = sum_out.defined() ? sum_out.data_ptr<T>() : nullptr;
+    T* outs = out.data_ptr<T>();
+    for (int64_t r = 0; r < a.size(0); ++r) {
+      const T* ar = a.data_ptr<T>() + r * h;
+      const T* br = b.defined() ? b.data_ptr<T>() + r * h : nullptr;
+      // (a + b) rounded to T, exactly as add() then rms_norm() would see it.
+      auto value = [&](int64_t i, __mmask16 m) {
+        const __m512 v = load16(ar + i, m);
+        return br ? to_dtype<T>(_mm512_add_ps(v, load16(br + i, m))) : v;
+      };
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < h; i += 16) {
+        const __m512 v = value(i, mask_for(h - i));
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) +
+                                                           static_cast<float>(eps)));
+      for (int64_t i = c0; i < c1; i += 16) {
+        const __mmask16 m = mask_for(c1 - i);
+        const __m512 v = value(i, m);
+        if (sums) store16(sums + r * h + i, v, m);
+        const __m512 y = to_dtype<T>(_mm512_mul_ps(v, vinv));
+        store16(outs + r * h + i, _mm512_mul_ps(load16(w + i, m), y), m);
+      }
+    }
+  });
+}
+
+void fastdraft::silu_and_mul_columns(const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1) {
+  const int64_t n = out.size(1);
+  with_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (int64_t r = 0; r < x.size(0); ++r) {
+      const T* gate = x.data_ptr<T>() + r * 2 * n;
+      silu_mul_span(gate + c0, gate + n + c0, out.data_ptr<T>() + r * n + c0, c1 - c0);
+    }
+  });
+}
+
+void fastdraft::rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start,
+                                    const torch::Tensor& q_rows, int64_t h0, int64_t h1) {
   const int64_t t_count = qkv.size(0), d = head_dim, group = num_heads / num_kv_heads;
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size && d % 2 == 0,
@@ -236,9 +299,10 @@ torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Te
                   k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
                   start >= 0 && start + t_count <= k_cache.size(1),
               "k/v cache must be [kv_heads, max_seq_len, head_dim] in qkv's dtype, with room for T tokens");
-  auto q_rows = torch::empty({1, num_kv_heads, t_count * group, d}, qkv.options());
-  auto run = [&](auto* type_tag) {
-    using T = std::remove_pointer_t<decltype(type_tag)>;
+  TORCH_CHECK(q_rows.is_contiguous() && q_rows.numel() == t_count * q_size && q_rows.scalar_type() == qkv.scalar_type(),
+              "q_rows must be [1, kv_heads, T * group, head_dim] in qkv's dtype");
+  with_dtype(qkv, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
     const T* src = qkv.data_ptr<T>();
     T* q_out = q_rows.data_ptr<T>();
     T* kc = k_cache.data_ptr<T>();
@@ -247,17 +311,14 @@ torch::Tensor fastdraft::rope_to_cache(const torch::Tensor& qkv, const torch::Te
       const T* row = src + t * qkv.stride(0);
       const T* c = cos.data_ptr<T>() + t * d;
       const T* s = sin.data_ptr<T>() + t * d;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         rotary_row(row + h * group * d, c, s, q_out + (h * t_count + t) * group * d, group, d);
         rotary_row(row + q_size + h * d, c, s, kc + h * k_cache.stride(0) + (start + t) * k_cache.stride(1), 1, d);
         std::memcpy(vc + h * v_cache.stride(0) + (start + t) * v_cache.stride(1), row + q_size + kv_size + h * d,
                     d * sizeof(T));
       }
     }
-  };
-  if (qkv.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<at::BFloat16*>(nullptr));
-  return q_rows;
+  });
 }
 
 namespace {
@@ -558,13 +619,11 @@ bool cpu_has_avx512_bf16() {
 // bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
 // (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
 // does; the softmax itself is fp32.
-fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v, double scale, int64_t num_tokens,
-                                                   int64_t len) {
+void fastdraft::attention_replan(AttentionPlan& p, const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, double scale, int64_t num_tokens, int64_t len) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "q, k, v: one dtype, f32 or bf16");
-  AttentionPlan p;
   TORCH_CHECK(len <= k.size(2), "len exceeds the keys");
   if (len < 0) len = k.size(2);
   p.batch = q.size(0), p.heads = q.size(1), p.rows = q.size(2), p.head_dim = q.size(3), p.len = len;
@@ -573,12 +632,16 @@ fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const
   TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
   TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   p.q = q, p.k = k, p.v = v, p.scale = static_cast<float>(scale);
-  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
   // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
-  // the fp32 path takes q pre-scaled.
-  if (p.is_bf16_dot) p.q_pairs = q.contiguous();  // [B, H, R, D]
-  else p.qf = (q.to(at::kFloat) * scale).contiguous();  // [B, H, R, D]
+  // the fp32 path takes q pre-scaled (attention_scale_q).
+  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
+  if (p.is_bf16_dot) {
+    p.q_pairs = q;  // [B, H, R, D]
+  } else if (!p.qf.defined() || p.qf.sizes() != q.sizes()) {
+    p.qf = torch::empty(q.sizes(), q.options().dtype(at::kFloat));  // [B, H, R, D]
+  }
   p.row_len.resize(rows);
   const int64_t rows_per_token = rows / num_tokens;
   for (int64_t r = 0; r < rows; ++r) p.row_len[r] = len - num_tokens + 1 + r / rows_per_token;
@@ -587,6 +650,30 @@ fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const
   p.pmax.resize(p.num_items * rows);
   p.psum.resize(p.num_items * rows);
   p.pacc.resize(p.num_items * rows * d);
+}
+
+void fastdraft::attention_scale_q(AttentionPlan& p, int64_t h0, int64_t h1) {
+  if (p.is_bf16_dot) return;
+  const int64_t per_head = p.rows * p.head_dim;
+  // As (q.to(float) * scale) would: one fp32 product per element.
+  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
+    if (bh % p.heads < h0 || bh % p.heads >= h1) continue;
+    float* out = p.qf.data_ptr<float>() + bh * per_head;
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    with_dtype(p.q, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      const T* in = p.q.data_ptr<T>() + bh * per_head;
+      for (int64_t i = 0; i < per_head; i += 16) store16(out + i, _mm512_mul_ps(load16(in + i, 0xffff), scale), 0xffff);
+    });
+  }
+}
+
+fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, double scale, int64_t num_tokens,
+                                                   int64_t len) {
+  AttentionPlan p;
+  attention_replan(p, q.contiguous(), k, v, scale, num_tokens, len);
+  attention_scale_q(p, 0, p.heads);
   return p;
 }
 
@@ -620,33 +707,30 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
 
 namespace {
 
-// Combines each row's splits into out; row r of batch-head bh goes to out + offset(bh, r).
-template <typename Offset>
-void finish_rows(const fastdraft::AttentionPlan& p, const torch::Tensor& out, Offset offset) {
+// Combines the splits of row r of batch-head bh into out + off.
+void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const torch::Tensor& out, int64_t off) {
   const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
-  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
-      float m = -INFINITY;
-      for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, p.pmax[(bh * splits + sp) * rows + r]);
-      float total = 0.0f;
-      __m512 acc[16];
-      for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t sp = 0; sp < row_splits; ++sp) {
-        const int64_t it = bh * splits + sp;
-        const float w = std::exp(p.pmax[it * rows + r] - m);
-        total += w * p.psum[it * rows + r];
-        const __m512 wv = _mm512_set1_ps(w);
-        for (int64_t i = 0; i < d / 16; ++i)
-          acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / total);
-      for (int64_t i = 0; i < d / 16; ++i) {
-        const int64_t off = offset(bh, r) + 16 * i;
-        if (p.q.scalar_type() == at::kFloat) store16(out.data_ptr<float>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
-        else store16(out.data_ptr<at::BFloat16>() + off, _mm512_mul_ps(acc[i], inv), 0xffff);
-      }
-    }
+  const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
+  float m = -INFINITY;
+  for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, p.pmax[(bh * splits + sp) * rows + r]);
+  float total = 0.0f;
+  __m512 acc[16];
+  for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t sp = 0; sp < row_splits; ++sp) {
+    const int64_t it = bh * splits + sp;
+    const float w = std::exp(p.pmax[it * rows + r] - m);
+    total += w * p.psum[it * rows + r];
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int64_t i = 0; i < d / 16; ++i)
+      acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  if (out.scalar_type() == at::kFloat) {
+    float* o = out.data_ptr<float>() + off;
+    for (int64_t i = 0; i < d / 16; ++i) store16(o + 16 * i, _mm512_mul_ps(acc[i], inv), 0xffff);
+  } else {
+    at::BFloat16* o = out.data_ptr<at::BFloat16>() + off;
+    for (int64_t i = 0; i < d / 16; ++i) store16(o + 16 * i, _mm512_mul_ps(acc[i], inv), 0xffff);
   }
 }
 
@@ -654,20 +738,23 @@ void finish_rows(const fastdraft::AttentionPlan& p, const torch::Tensor& out, Of
 
 torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
   auto out = torch::empty({p.batch, p.heads, p.rows, p.head_dim}, p.q.options());
-  finish_rows(p, out, [&](int64_t bh, int64_t r) { return (bh * p.rows + r) * p.head_dim; });
+  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+    for (int64_t r = 0; r < p.rows; ++r) finish_row(p, bh, r, out, (bh * p.rows + r) * p.head_dim);
   return out;
 }
 
-torch::Tensor fastdraft::attention_finish_tokens(const AttentionPlan& p, int64_t num_tokens) {
+void fastdraft::attention_finish_tokens_heads(const AttentionPlan& p, int64_t num_tokens, const torch::Tensor& out,
+                                              int64_t j0, int64_t j1) {
   TORCH_CHECK(p.batch == 1 && num_tokens >= 1 && p.rows % num_tokens == 0, "rows must be num_tokens groups of one batch");
-  const int64_t group = p.rows / num_tokens;
-  auto out = torch::empty({num_tokens, p.heads * group * p.head_dim}, p.q.options());
-  finish_rows(p, out, [&](int64_t h, int64_t r) {
-    return ((r / group * p.heads + h) * group + r % group) * p.head_dim;  // [T, H, group, D]
-  });
-  return out;
+  const int64_t group = p.rows / num_tokens, num_q_heads = p.heads * group;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == num_tokens * num_q_heads * p.head_dim &&
+                  out.scalar_type() == p.q.scalar_type() && 0 <= j0 && j0 <= j1 && j1 <= num_q_heads,
+              "out must be [num_tokens, heads * head_dim] in q's dtype");
+  // Query head j is row j % group of kv head j / group; out is [T, H, group, D].
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t t = 0; t < num_tokens; ++t)
+      finish_row(p, j / group, t * group + j % group, out, (t * num_q_heads + j) * p.head_dim);
 }
-
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
   auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);

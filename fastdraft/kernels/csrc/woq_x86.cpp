@@ -20,6 +20,7 @@
 
 #include "x86_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -80,14 +81,16 @@ Zeros zeros_of(const torch::Tensor& zeros) {
   return Zeros{zeros.data_ptr<uint8_t>(), nullptr};
 }
 
+// Blocks [b0, b1) of row m (b0 starts a group).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t block, int64_t blocks_per_group, Activations& a, int64_t m) {
+void quantize_row(const T* x, int64_t k, int64_t block, int64_t blocks_per_group, Activations& a, int64_t m,
+                  int64_t b0, int64_t b1) {
   int8_t* q = a.q.data() + m * a.k_pad;
   float* scale = a.scale.data() + m * a.num_blocks;
   float* corr = a.corr.data() + m * a.num_groups;
   const int64_t vecs = block / 16;
   __m512 v[8];  // block <= 128
-  for (int64_t b = 0; b < a.num_blocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t k0 = b * block;
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < vecs; ++i) {
@@ -242,9 +245,7 @@ void fastdraft::check_woq_weight(const WoqWeight& w) {
               "zeros have the wrong dtype, layout or size");
 }
 
-void fastdraft::quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group,
-                                     Activations& a) {
-  const int64_t m = x.size(0), k = x.size(1);
+void fastdraft::size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a) {
   a.rows = m;
   a.k_pad = k_pad;
   a.block = block;
@@ -254,13 +255,31 @@ void fastdraft::quantize_activations(const torch::Tensor& x, int64_t k_pad, int6
   a.q.resize(m * k_pad);
   a.scale.resize(m * a.num_blocks);
   a.corr.resize(m * a.num_groups);
+}
+
+void fastdraft::quantize_activation_columns(const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t blocks_per_group = a.group / a.block;
+  const int64_t b0 = c0 / a.block, b1 = std::min(c1, a.k_pad) / a.block;
+  for (int64_t r = 0; r < m; ++r) {
+    if (x.scalar_type() == at::kFloat)
+      quantize_row(x.data_ptr<float>() + r * k, k, a.block, blocks_per_group, a, r, b0, b1);
+    else
+      quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, a.block, blocks_per_group, a, r, b0, b1);
+  }
+}
+
+void fastdraft::quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group,
+                                     Activations& a) {
+  const int64_t m = x.size(0), k = x.size(1);
+  size_activations(m, k_pad, block, group, a);
   const int64_t blocks_per_group = group / block;
   auto run = [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (x.scalar_type() == at::kFloat)
-        quantize_row(x.data_ptr<float>() + r * k, k, block, blocks_per_group, a, r);
+        quantize_row(x.data_ptr<float>() + r * k, k, block, blocks_per_group, a, r, 0, a.num_blocks);
       else
-        quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, block, blocks_per_group, a, r);
+        quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, block, blocks_per_group, a, r, 0, a.num_blocks);
     }
   };
   if (m >= 16) at::parallel_for(0, m, 4, run); else run(0, m);

@@ -39,23 +39,41 @@ struct WoqWeight {
 void check_woq_weight(const WoqWeight& w);
 // x [M, K <= k_pad] (float32 or bfloat16, contiguous) -> a.
 void quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group, Activations& a);
+// The same in pieces, for threads that each quantize their own columns: size a for M rows,
+// then fill columns [c0, c1) of x (multiples of the group; c1 may be k_pad, past K).
+void size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a);
+void quantize_activation_columns(const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
 // Output tiles [t0, t1) (16 columns each) of y = x W^T, written to out [M, ldo] (x's dtype) at
 // column col0 + 16 t. Every tile's arithmetic is the same whichever thread runs it.
 void woq_tiles(const WoqWeight& w, const Activations& a, const torch::Tensor& out, int64_t col0, int64_t t0,
                int64_t t1);
 
-// x[:, col0 : col0 + N] += bias [N] in place, rounded to x's dtype as torch's add is.
-void add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias);
-// a + b for contiguous [M, N] tensors of one dtype, rounded as torch's add is.
-torch::Tensor add(const torch::Tensor& a, const torch::Tensor& b);
+// x[:, col0 + b0 : col0 + b1] += bias[b0 : b1] in place (b1 < 0: to the end), rounded to
+// x's dtype as torch's add is.
+void add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias, int64_t b0 = 0, int64_t b1 = -1);
 
-// The attention inputs of one layer from its qkv projection [T, (heads + 2 kv_heads) * d]:
-// returns q rotated and laid out as attention's rows [1, kv_heads, T * group, d], and writes
-// k rotated and v into k_cache/v_cache [kv_heads, max_seq_len, d] at positions start..start+T-1.
-// The same rotary arithmetic as rotary(), without its intermediate tensors.
-torch::Tensor rope_to_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const torch::Tensor& k_cache,
-                            const torch::Tensor& v_cache, int64_t start);
+// Column-range versions of the decoder's elementwise ops, so that every thread of the fused
+// decoder's region can run its own share of columns: each gives, on its columns, exactly the
+// values the whole op gives. All tensors are contiguous [M, N] of one dtype (float32/bfloat16).
+// out[:, c0:c1] = a + b.
+void add_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, int64_t c0, int64_t c1);
+// out[:, c0:c1] = rms_norm(s)[:, c0:c1] with s = a + b rounded (b undefined: s = a); the sum
+// of squares is taken over whole rows, so any split gives rms_norm(a + b). When sum_out is
+// defined, sum_out[:, c0:c1] = s (the residual stream).
+void residual_rms_norm_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& weight,
+                               double eps, const torch::Tensor& sum_out, const torch::Tensor& out, int64_t c0,
+                               int64_t c1);
+// out [M, N] columns [c0, c1) of silu_and_mul(x), x [M, 2N] = [gate | up].
+void silu_and_mul_columns(const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
+
+// The attention inputs of kv heads [h0, h1) of one layer from its qkv projection
+// [T, (heads + 2 kv_heads) * d]: writes q rotated into q_rows [1, kv_heads, T * group, d]
+// (attention's row layout), and k rotated and v into k_cache/v_cache [kv_heads, max_seq_len, d]
+// at positions start..start+T-1. The same rotary arithmetic as rotary().
+void rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, int64_t start, const torch::Tensor& q_rows, int64_t h0,
+                         int64_t h1);
 
 // Decode attention (fused_x86.cpp::decode_attention) as plan -> items -> finish.
 struct AttentionPlan {
@@ -70,10 +88,17 @@ struct AttentionPlan {
 // k/v [B, H, >= len, D]: the first len keys are attended (len < 0: all of them).
 AttentionPlan attention_plan(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                              int64_t num_tokens, int64_t len = -1);
+// attention_plan in pieces, reusing p's buffers: replan sets sizes and inputs (q contiguous),
+// then attention_scale_q prepares heads [h0, h1) of q once their values are written.
+void attention_replan(AttentionPlan& p, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                      double scale, int64_t num_tokens, int64_t len);
+void attention_scale_q(AttentionPlan& p, int64_t h0, int64_t h1);
 void attention_items(AttentionPlan& plan, int64_t i0, int64_t i1);  // items [i0, i1), any thread
 torch::Tensor attention_finish(const AttentionPlan& plan);             // -> [B, H, R, D]
-// B == 1, the R rows being num_tokens token-major groups -> [num_tokens, H * R / num_tokens * D],
+// B == 1, the R rows being num_tokens token-major groups: writes query heads [j0, j1) (query
+// head j is row j % group of kv head j / group) into out [num_tokens, heads * group * D],
 // token-major: the layout the output projection takes.
-torch::Tensor attention_finish_tokens(const AttentionPlan& plan, int64_t num_tokens);
+void attention_finish_tokens_heads(const AttentionPlan& plan, int64_t num_tokens, const torch::Tensor& out,
+                                   int64_t j0, int64_t j1);
 
 }  // namespace fastdraft
