@@ -292,9 +292,15 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         if params.is_greedy:
             result = verify_greedy(draft_ids, target_logits)
         else:
-            draft_probs = _match_vocab(proposal.draft_probs.to(device), vocab_size) if num_draft else \
-                torch.zeros(0, vocab_size, device=device)
-            result = verify_sampled(draft_ids, draft_probs, logits_to_probs(target_logits, params), generator)
+            draft_vocab_ids = None
+            if not num_draft:
+                draft_probs = torch.zeros(0, vocab_size, device=device)
+            elif proposal.draft_vocab_ids is None:
+                draft_probs = _match_vocab(proposal.draft_probs.to(device), vocab_size)
+            else:  # [k, draft_vocab] over these vocabulary ids
+                draft_probs, draft_vocab_ids = proposal.draft_probs.to(device), proposal.draft_vocab_ids.to(device)
+            result = verify_sampled(draft_ids, draft_probs, logits_to_probs(target_logits, params), generator,
+                                    draft_vocab_ids)
         verify_s = time.perf_counter() - start
 
         new_tokens = result.output_token_ids

@@ -24,15 +24,19 @@ from fastdraft.models.llama import LlamaForCausalLM
 @dataclass
 class Proposal:
     draft_token_ids: torch.Tensor  # [num_draft]
-    draft_probs: torch.Tensor | None  # [num_draft, vocab_size]; None for greedy decoding
+    draft_probs: torch.Tensor | None  # [num_draft, draft_vocab]; None for greedy decoding
+    # The vocabulary ids of draft_probs' columns (sorted) when the draft's head covers only part
+    # of the vocabulary, every other token having draft probability 0; None: column i is token i.
+    draft_vocab_ids: torch.Tensor | None = None
 
 
 class DraftModelProposer:
     """Proposes tokens by running a draft model autoregressively.
 
     ``token_ids`` [draft_vocab]: the vocabulary ids of the draft head's rows when the head was
-    restricted to frequent tokens (spec/draft_vocab.py); its probabilities are then scattered
-    back to the full vocabulary, zero for every dropped token."""
+    restricted to frequent tokens (spec/draft_vocab.py). Proposals then carry probabilities
+    over those ids only (``Proposal.draft_vocab_ids``): scattering each draft step's
+    distribution into a zeroed full-vocabulary row cost about 0.1 ms per draft token here."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
                  min_confidence: float = 0.0, token_ids: torch.Tensor | None = None) -> None:
@@ -75,9 +79,6 @@ class DraftModelProposer:
                 confidence = probs.max() if self.min_confidence > 0 else None
             if self.token_ids is not None:
                 next_id = self.token_ids[next_id]
-                if probs is not None:  # [1, vocab_size], zero for tokens the head dropped
-                    probs = torch.zeros(1, self.model.config.vocab_size, dtype=probs.dtype,
-                                        device=probs.device).index_copy_(1, self.token_ids, probs)
             draft_ids.append(next_id)
             if probs is not None:
                 draft_probs.append(probs[0])
@@ -85,7 +86,8 @@ class DraftModelProposer:
                 break
             if step < num_tokens - 1:
                 input_ids = next_id.view(1, 1)
-        return Proposal(torch.cat(draft_ids), torch.stack(draft_probs) if draft_probs else None)
+        return Proposal(torch.cat(draft_ids), torch.stack(draft_probs) if draft_probs else None,
+                        self.token_ids if draft_probs else None)
 
     def rollback(self, num_valid: int) -> None:
         """Keep only cache entries of the first ``num_valid`` committed tokens."""

@@ -47,18 +47,23 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
 
 
 def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generator: torch.Generator | None) -> VerificationResult:
+                   generator: torch.Generator | None,
+                   draft_vocab_ids: torch.Tensor | None = None) -> VerificationResult:
     """Rejection-sample ``k`` draft tokens against the target.
 
     draft_token_ids: [k]; draft_probs: [k, vocab_size], the distributions the draft tokens
     were drawn from; target_probs: [k + 1, vocab_size], the target's sampling distributions.
+    draft_vocab_ids: [draft_vocab] sorted vocabulary ids when draft_probs is [k, draft_vocab],
+    over those tokens only (every other token has draft probability 0).
     """
     num_draft = draft_token_ids.shape[0]
     device = target_probs.device
     if num_draft:
         idx = torch.arange(num_draft, device=device)
         target_p = target_probs[idx, draft_token_ids]  # [k]
-        draft_p = draft_probs[idx, draft_token_ids]  # [k]
+        draft_cols = draft_token_ids if draft_vocab_ids is None else \
+            torch.searchsorted(draft_vocab_ids, draft_token_ids)
+        draft_p = draft_probs[idx, draft_cols]  # [k]
         uniform = torch.rand(num_draft, generator=generator, device=device)
         # accept iff u < target/draft, written without dividing by a zero draft probability
         is_accepted = uniform * draft_p < target_p
@@ -66,7 +71,11 @@ def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, tar
     else:
         num_accepted = 0
     if num_accepted < num_draft:
-        residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp(min=0)  # [vocab_size]
+        if draft_vocab_ids is None:
+            residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp(min=0)  # [vocab_size]
+        else:
+            residual = target_probs[num_accepted].index_add(0, draft_vocab_ids, draft_probs[num_accepted],
+                                                            alpha=-1).clamp(min=0)
         total = residual.sum()
         # total == 0 only if the distributions are equal, where rejection has probability 0.
         dist = residual / total if total > 0 else target_probs[num_accepted]

@@ -69,3 +69,22 @@ def test_seeded_verification_is_reproducible():
     ids = torch.tensor([1, 2, 3])
     a = [verify_sampled(ids, draft, target, torch.Generator().manual_seed(5)).output_token_ids for _ in range(3)]
     assert a[0] == a[1] == a[2]
+
+
+def test_draft_probs_over_part_of_the_vocabulary_give_the_same_outcome_as_scattered_ones():
+    # A draft whose head keeps only some tokens hands over [k, draft_vocab] probabilities and
+    # those tokens' ids; verification must equal verifying the zero-filled [k, vocab] rows.
+    vocab, k = 12, 3
+    gen = torch.Generator().manual_seed(1)
+    draft_vocab_ids = torch.tensor([0, 2, 3, 5, 8, 11])
+    num_rejected = 0
+    for trial in range(200):
+        target_probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 2, -1)
+        small = torch.softmax(torch.randn(k, len(draft_vocab_ids), generator=gen) * 2, -1)  # [k, draft_vocab]
+        full = torch.zeros(k, vocab).index_copy_(1, draft_vocab_ids, small)  # [k, vocab]
+        draft_ids = draft_vocab_ids[torch.multinomial(small, 1, generator=gen)[:, 0]]
+        a = verify_sampled(draft_ids, full, target_probs, torch.Generator().manual_seed(trial))
+        b = verify_sampled(draft_ids, small, target_probs, torch.Generator().manual_seed(trial), draft_vocab_ids)
+        assert (a.output_token_ids, a.num_accepted) == (b.output_token_ids, b.num_accepted)
+        num_rejected += a.num_accepted < k
+    assert num_rejected > 50  # the residual path ran
