@@ -7,6 +7,7 @@ decoding can reuse it for rejection sampling.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fastdraft.engine.sampling_params import SamplingParams
 
@@ -30,17 +31,43 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+_CDF_BLOCK = 128  # tokens per block of the two-level search
+
+
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of ``probs`` [..., vocab_size] -> ids [...].
 
-    Inverse-CDF sampling with one uniform per row: exact, and ~5x cheaper than
-    ``torch.multinomial`` over a 152k vocabulary (2.3 ms per row here). The CDF is summed in
-    float64 so rounding cannot move mass between tokens, and a zero-probability token is never
-    drawn: its CDF entry equals its predecessor's, which the search finds first."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(dim=-1)  # [rows, vocab_size]
-    uniform = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
-    ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=flat.shape[-1] - 1)
+    Inverse-CDF sampling with one uniform per row: exact, and much cheaper than
+    ``torch.multinomial`` over a 152k vocabulary (2.3 ms per row here). Sums are float64 so
+    rounding cannot move mass between tokens, and a zero-probability token is never drawn: its
+    CDF entry equals its predecessor's, which the search finds first. Large vocabularies are
+    searched in two levels (blocks of 128 tokens, then within the chosen block), so only block
+    sums and one block are accumulated in float64: 0.2-0.5 ms -> about 0.05 ms per 152k row."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab_size]
+    num_rows, vocab_size = flat.shape
+    uniform = torch.rand(num_rows, 1, generator=generator, device=flat.device, dtype=torch.float64)
+    if vocab_size < 64 * _CDF_BLOCK:
+        cdf = flat.double().cumsum(dim=-1)  # [rows, vocab_size]
+        ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=vocab_size - 1)
+        return ids.view(probs.shape[:-1])
+    if vocab_size % _CDF_BLOCK:
+        flat = F.pad(flat, (0, _CDF_BLOCK - vocab_size % _CDF_BLOCK))
+    blocks = flat.view(num_rows, -1, _CDF_BLOCK)  # [rows, num_blocks, block]
+    num_blocks = blocks.shape[1]
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, num_blocks]
+    point = uniform * block_cdf[:, -1:]  # [rows, 1]
+    # The block holding the point (a zero-mass block repeats its predecessor's CDF entry, so
+    # it is never found), and the mass before it: block_cdf[b - 1] <= point, so the rest >= 0.
+    block_ids = torch.searchsorted(block_cdf, point, right=True).clamp_(max=num_blocks - 1)  # [rows, 1]
+    before = torch.where(block_ids > 0, block_cdf.gather(1, (block_ids - 1).clamp(min=0)), 0.0)
+    rows = torch.arange(num_rows, device=flat.device)
+    chosen = blocks[rows, block_ids[:, 0]]  # [rows, block]
+    cdf = chosen.double().cumsum(dim=-1)  # [rows, block]
+    offsets = torch.searchsorted(cdf, point - before, right=True)  # [rows, 1]
+    # The block's sequential sum may round below its block_cdf increment: never step past the
+    # block's last token of nonzero probability.
+    last_nonzero = _CDF_BLOCK - 1 - (chosen > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    ids = block_ids * _CDF_BLOCK + torch.minimum(offsets, last_nonzero)
     return ids.view(probs.shape[:-1])
 
 

@@ -106,6 +106,21 @@ def test_sample_from_probs_follows_the_distribution():
     assert (freq - probs.double()).abs().max() < 4 * math.sqrt(0.25 / num_samples)
 
 
+def test_two_level_search_over_a_large_vocabulary_follows_the_distribution():
+    # Over 8192 tokens the search goes block by block: mass in a few scattered tokens, one of
+    # them the last of a padded vocabulary and one a block's last, everything else zero.
+    vocab = 8_300  # not a multiple of the 128-token block: padded
+    support = {0: 0.1, 127: 0.2, 128: 0.05, 4_999: 0.3, 6_400: 0.15, vocab - 1: 0.2}
+    probs = torch.zeros(vocab)
+    for token, p in support.items():
+        probs[token] = p
+    num_samples, generator = 100_000, _gen(1)
+    ids = torch.cat([sample_from_probs(probs.expand(2_000, -1), generator) for _ in range(num_samples // 2_000)])
+    freq = torch.bincount(ids, minlength=vocab).double() / num_samples
+    assert set(torch.nonzero(freq).flatten().tolist()) == set(support)
+    assert (freq - probs.double()).abs().max() < 4 * math.sqrt(0.25 / num_samples)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"max_new_tokens": 0},
     {"max_new_tokens": -3},
