@@ -40,8 +40,7 @@ def prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache,
 def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
     """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]."""
     meta = kv_cache.append(1, slot)
-    hidden = model(token_id, kv_cache, meta)
-    return model.compute_logits(hidden[:, -1])
+    return model.decode_logits(token_id, kv_cache, meta)  # [1, vocab]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

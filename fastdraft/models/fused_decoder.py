@@ -106,9 +106,11 @@ class _ModuleWatch:
 class FusedDecoder:
     """All decoder layers of one model, built for one activation dtype and ``min_rows``."""
 
-    def __init__(self, ext, layer_ops: list) -> None:
+    def __init__(self, ext, layer_ops: list, dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
         self.ext = ext
         self.layer_ops = layer_ops
+        self.dtype, self.device, self.min_rows = dtype, device, min_rows
+        self._head: tuple[nn.Module, object] | None = None  # (LM head module, its C++ op)
 
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
@@ -117,15 +119,34 @@ class FusedDecoder:
         if ext is None:
             return None
         ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in layers]
-        return None if any(op is None for op in ops) else cls(ext, ops)
+        return None if any(op is None for op in ops) else cls(ext, ops, dtype, device, min_rows)
+
+    def norm_args(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+        """The final norm as the C++ call takes it, or None if it must run in Python."""
+        weight = getattr(norm, "weight", None)
+        if weight is None or has_hooks(norm) or weight.dtype != self.dtype or not weight.is_contiguous():
+            return None
+        return weight.detach(), norm.eps
+
+    def head_op(self, lm_head: nn.Module):
+        """The C++ op of ``lm_head`` (cached while the module stays the same), or None."""
+        if self._head is None or self._head[0] is not lm_head:
+            self._head = (lm_head, _linear_op(self.ext, lm_head, self.dtype, self.device, self.min_rows))
+        return self._head[1]
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, norm: tuple[torch.Tensor, float] | None = None, head=None,
+                num_logit_rows: int = 0) -> torch.Tensor:
         """hidden_states [num_tokens, hidden_size], cos/sin [num_tokens, head_dim] of one
-        sequence appended at ``meta.contiguous_start`` -> hidden states after the last layer."""
+        sequence appended at ``meta.contiguous_start`` -> hidden states after the last layer;
+        with ``norm`` (``norm_args``) after the final norm too; with a ``head`` op as well, the
+        head's output [num_logit_rows, out_features] for the last rows (a weight-only head runs
+        inside the decoder's parallel region, with no Python between)."""
         slot = int(meta.slot_ids[0])
+        weight, eps = norm if norm is not None else (None, 0.0)
         return self.ext.decoder_forward(self.layer_ops, hidden_states, cos, sin, kv_cache.k[:, slot],
-                                        kv_cache.v[:, slot], meta.contiguous_start)
+                                        kv_cache.v[:, slot], meta.contiguous_start, weight, eps, head,
+                                        num_logit_rows)
 
 
 def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, hidden_states: torch.Tensor, kv_cache: KVCache,

@@ -118,13 +118,30 @@ class LlamaModel(nn.Module):
         if self.is_fused_decode_enabled:
             fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
         if fused is not None:
-            hidden_states = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta)
-            return self.norm(hidden_states.unsqueeze(0))
+            norm = fused.norm_args(self.norm)
+            hidden_states = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta, norm)
+            return hidden_states.unsqueeze(0) if norm is not None else self.norm(hidden_states.unsqueeze(0))
         if num_tokens < min_rows:  # zero rows stay finite through RMSNorm and are dropped below
             hidden_states = F.pad(hidden_states, (0, 0, 0, min_rows - num_tokens))
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, kv_cache, meta)
         return self.norm(hidden_states[:, :num_tokens])
+
+    def fused_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
+                     lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
+        """``lm_head`` applied to the last ``num_logit_rows`` final hidden states [rows, vocab]
+        (activation dtype) in one C++ call with the decoder, or None where that call cannot
+        serve this pass (then run ``forward`` and the head)."""
+        if not self.is_fused_decode_enabled:
+            return None
+        hidden_states = self.embed_tokens(input_ids)  # [1, num_tokens, hidden_size]
+        fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
+        norm = fused.norm_args(self.norm) if fused is not None else None
+        head = fused.head_op(lm_head) if norm is not None else None
+        if head is None:
+            return None
+        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)
+        return fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta, norm, head, num_logit_rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,6 +178,21 @@ class LlamaForCausalLM(nn.Module):
             rows = F.pad(rows, (0, 0, 0, self.min_rows - num_rows))
         logits = self.lm_head(rows)[:num_rows].float()
         return logits.view(*hidden_states.shape[:-1], -1)
+
+    def decode_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                      num_logit_rows: int | None = None) -> torch.Tensor:
+        """fp32 logits [num_logit_rows, vocab_size] of the last rows (default: all) of a
+        batch-1 pass: ``compute_logits(forward(...))``, bit for bit, but for decode and
+        verification steps run as one C++ call with the LM head inside the decoder's region."""
+        num_tokens = input_ids.shape[1]
+        rows = num_tokens if num_logit_rows is None else num_logit_rows
+        if input_ids.shape[0] != 1 or not 1 <= rows <= num_tokens:
+            raise ValueError(f"decode_logits takes one sequence and 1..{num_tokens} logit rows, got "
+                             f"batch {input_ids.shape[0]} and {rows} rows")
+        logits = self.model.fused_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
+        if logits is None:
+            return self.compute_logits(self(input_ids, kv_cache, meta)[0, num_tokens - rows:])
+        return logits.float()
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights read per decode step: every parameter and buffer once, except the

@@ -115,7 +115,7 @@ def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
             # time, so no prefill is needed.
             cache.truncate(0)
             cache.append(context_len)
-            model.compute_logits(model(step, cache, cache.append(num_tokens))[0])
+            model.decode_logits(step, cache, cache.append(num_tokens))
 
         run()  # warm-up
         return run
@@ -288,7 +288,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         kv_cache.truncate(len(tokens) - 1)  # drop draft entries a shared cache may hold
         input_ids = torch.cat([torch.tensor([tokens[-1]], device=device), draft_ids]).unsqueeze(0)
         meta = kv_cache.append(input_ids.shape[1])
-        target_logits = target.compute_logits(target(input_ids, kv_cache, meta)[0])  # [k + 1, vocab]
+        target_logits = target.decode_logits(input_ids, kv_cache, meta)  # [k + 1, vocab]
         if params.is_greedy:
             result = verify_greedy(draft_ids, target_logits)
         else:

@@ -68,7 +68,7 @@ class DraftModelProposer:
         draft_probs: list[torch.Tensor] = []
         for step in range(num_tokens):
             meta = self.kv_cache.append(input_ids.shape[1])
-            logits = self.model.compute_logits(self.model(input_ids, self.kv_cache, meta)[:, -1])  # [1, draft_vocab]
+            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1)  # [1, draft_vocab]
             if params.is_greedy:
                 probs = None
                 next_id = logits.argmax(dim=-1)  # [1]

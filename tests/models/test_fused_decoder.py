@@ -134,3 +134,35 @@ def test_fused_decoder_rebuilds_after_quantization(tiny_models):
     assert model.model.__dict__["_fused_decoder"] is not first
     assert not torch.equal(before[0], after[0])
     assert torch.equal(after[0], _steps(model, False, 5, [1])[0])
+
+
+@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, dtype, quant):
+    # The final norm and the LM head run inside the C++ call (a weight-only head inside the
+    # decoder's region); the logits must equal the module path's, row for row.
+    model = _model(tiny_models, variant, dtype, quant)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    with torch.inference_mode():
+        for cache in caches:
+            model(prompt, cache, cache.append(7))
+        for num_tokens, num_rows in [(1, 1), (5, 5), (3, 1), (MAX_FUSED_TOKENS, 2)]:
+            ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
+            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows)
+            model.model.is_fused_decode_enabled = False
+            want = model.compute_logits(model(ids, caches[1], caches[1].append(num_tokens))[0, -num_rows:])
+            model.model.is_fused_decode_enabled = True
+            assert got.shape == (num_rows, vocab) and got.dtype == torch.float32
+            assert torch.equal(got, want)
+    assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
+
+
+def test_decode_logits_rejects_bad_rows(tiny_models):
+    model = _model(tiny_models, "llama", "fp32", "dense")
+    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    with torch.inference_mode(), pytest.raises(ValueError, match="logit rows"):
+        model.decode_logits(torch.zeros(1, 2, dtype=torch.long), cache, cache.append(2), 3)

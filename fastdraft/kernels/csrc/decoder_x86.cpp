@@ -344,9 +344,12 @@ std::pair<int64_t, int64_t> unit_share(int tid, int num_threads, int64_t n, int6
 // more on the critical path than it saved (issuing 4096 prefetches stalls the thread).
 constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
 
+// With final_norm defined, returns the normed hidden states; with a weight-only head too, the
+// logits of the last num_logit_rows rows, the head run inside the region like a projection.
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, int64_t start) {
+                                     const torch::Tensor& v_cache, int64_t start, const torch::Tensor& final_norm,
+                                     double eps, const Linear* head, int64_t num_logit_rows) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
   const DecoderLayer& first = *layers[0];
@@ -368,6 +371,9 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   o_proj.bind(*first.o_proj, num_tokens, options, nth);
   gate_up.bind(*first.gate_up, num_tokens, options, nth);
   down.bind(*first.down, num_tokens, options, nth);
+  Projection lm_head;
+  if (head) lm_head.bind(*head, num_logit_rows, options, nth);
+  const torch::Tensor head_rows = normed.narrow(0, num_tokens - num_logit_rows, num_logit_rows);
   fastdraft::AttentionPlan plan;
   WorkSplit attention_split;
   std::vector<int64_t> attention_shares(nth + 1);
@@ -498,38 +504,76 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
 #pragma omp barrier
       }
     }
-    // The last layer's residual.
+    // The last layer's residual, then the final norm and the head's activations.
     guarded([&] {
-      const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
-      fastdraft::add_columns(mid, down.out(), resid, c0, c1);
+      if (!final_norm.defined()) {
+        const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
+        fastdraft::add_columns(mid, down.out(), resid, c0, c1);
+        return;
+      }
+      if (head) lm_head.prefetch_share(tid, kSectionPrefetchBytes);
+      const auto [c0, c1] = head ? unit_share(tid, nth, lm_head.k_pad(), lm_head.unit())
+                                 : unit_share(tid, nth, hidden_size, 16);
+      fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, resid, normed,
+                                           std::min(c0, hidden_size), std::min(c1, hidden_size));
+      if (head) lm_head.quantize(head_rows, c0, c1);
     });
+    if (head) {
+#pragma omp barrier
+      if (!failed) {  // the same for every thread after the barrier
+        lm_head.run(tid);
+        if (lm_head.has_bias()) {
+#pragma omp barrier
+          guarded([&] {
+            const auto [c0, c1] = unit_share(tid, nth, lm_head.out().size(1), 16);
+            lm_head.add_bias(c0, c1);
+          });
+        }
+      }
+    }
   }
   if (error) std::rethrow_exception(error);
-  return resid;
+  if (head) return lm_head.out();
+  return final_norm.defined() ? normed : resid;
 }
 
 }  // namespace
 
 // All layers for T tokens of one sequence. hidden [T, hidden]; cos/sin [T, head_dim];
 // k_cache/v_cache [>= num_layers (a draft may share a deeper target's cache), kv_heads, max_seq_len, head_dim] (one slot of the KV cache).
+// Returns the hidden states after the last layer; with final_norm, after the model's final
+// norm too; with a head as well, the head's output for the last num_logit_rows tokens.
 torch::Tensor decoder_forward(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor hidden,
                               torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                              int64_t start) {
+                              int64_t start, c10::optional<torch::Tensor> final_norm, double eps,
+                              std::shared_ptr<Linear> head, int64_t num_logit_rows) {
   TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) >= static_cast<int64_t>(layers.size()),
               "k/v cache must be [>= num_layers, kv_heads, max_seq_len, head_dim]");
   TORCH_CHECK(start >= 0 && start + hidden.size(0) <= k_cache.size(2), "tokens do not fit in the KV cache");
+  TORCH_CHECK(!head || final_norm.has_value(), "a head needs the final norm");
+  TORCH_CHECK(!head || (num_logit_rows >= 1 && num_logit_rows <= hidden.size(0)), "num_logit_rows out of range");
   torch::NoGradGuard no_grad;
   auto h = hidden.contiguous();
   auto c = cos.contiguous(), s = sin.contiguous();
+  const torch::Tensor norm = final_norm.value_or(torch::Tensor());
   bool is_weight_only = true;
   for (const auto& layer : layers)
     for (const auto* lin : {layer->qkv.get(), layer->o_proj.get(), layer->gate_up.get(), layer->down.get()})
       is_weight_only = is_weight_only && lin->is_weight_only();
-  if (is_weight_only) return decoder_forward_region(layers, h, c, s, k_cache, v_cache, start);
+  if (is_weight_only) {
+    const bool is_head_inside = head && head->is_weight_only();
+    auto out = decoder_forward_region(layers, h, c, s, k_cache, v_cache, start, norm, eps,
+                                      is_head_inside ? head.get() : nullptr, num_logit_rows);
+    if (!head || is_head_inside) return out;
+    return (*head)(out.narrow(0, out.size(0) - num_logit_rows, num_logit_rows).contiguous());
+  }
   for (size_t i = 0; i < layers.size(); ++i)
     h = layer_forward(*layers[i], h, c, s, k_cache[i], v_cache[i], start);
-  return h;
+  if (!norm.defined()) return h;
+  h = rms_norm(h, norm, eps);
+  if (!head) return h;
+  return (*head)(h.narrow(0, h.size(0) - num_logit_rows, num_logit_rows).contiguous());
 }
 
 void bind_decoder(pybind11::module& m) {
@@ -557,5 +601,8 @@ void bind_decoder(pybind11::module& m) {
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o_proj"),
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("scale"));
-  m.def("decoder_forward", &decoder_forward, "all decoder layers for a few tokens of one sequence");
+  m.def("decoder_forward", &decoder_forward, "all decoder layers for a few tokens of one sequence",
+        py::arg("layers"), py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("start"), py::arg("final_norm") = py::none(), py::arg("eps") = 0.0,
+        py::arg("head") = std::shared_ptr<Linear>(), py::arg("num_logit_rows") = 0);
 }
