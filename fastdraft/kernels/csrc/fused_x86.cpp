@@ -56,23 +56,34 @@ inline __mmask16 mask_for(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
+// One row of RMSNorm over s = a + b rounded to T (b null: s = a), written for columns
+// [c0, c1) only: out = w * to_T(s * inv_rms(s)), and sum = s where sum is not null. The sum of
+// squares always covers the whole row, so any column split gives the whole op's values.
+template <typename T>
+void rms_norm_row(const T* a, const T* b, const T* w, T* sum, T* out, int64_t h, float eps, int64_t c0,
+                  int64_t c1) {
+  auto value = [&](int64_t i, __mmask16 m) {
+    const __m512 v = load16(a + i, m);
+    return b ? to_dtype<T>(_mm512_add_ps(v, load16(b + i, m))) : v;
+  };
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h; i += 16) {
+    const __m512 v = value(i, mask_for(h - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) + eps));
+  for (int64_t i = c0; i < c1; i += 16) {
+    const __mmask16 m = mask_for(c1 - i);
+    const __m512 v = value(i, m);
+    if (sum) store16(sum + i, v, m);
+    const __m512 y = to_dtype<T>(_mm512_mul_ps(v, vinv));
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
+  }
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * h;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < h; i += 16) {
-      __m512 v = load16(xr + i, mask_for(h - i));
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < h; i += 16) {
-      const __mmask16 m = mask_for(h - i);
-      __m512 y = to_dtype<T>(_mm512_mul_ps(load16(xr + i, m), vinv));
-      store16(out + r * h + i, _mm512_mul_ps(load16(w + i, m), y), m);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row<T>(x + r * h, nullptr, w, nullptr, out + r * h, h, eps, 0, h);
 }
 
 // out[i] = silu(gate[i]) * up[i] for i < n, the silu rounded to T first.
@@ -254,32 +265,10 @@ void fastdraft::residual_rms_norm_columns(const torch::Tensor& a, const torch::T
   TORCH_CHECK(0 <= c0 && c0 <= c1 && c1 <= h, "columns out of range");
   with_dtype(a, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const T* w = weight.data_ptr<T>();
     T* sums = sum_out.defined() ? sum_out.data_ptr<T>() : nullptr;
-    T* outs = out.data_ptr<T>();
-    for (int64_t r = 0; r < a.size(0); ++r) {
-      const T* ar = a.data_ptr<T>() + r * h;
-      const T* br = b.defined() ? b.data_ptr<T>() + r * h : nullptr;
-      // (a + b) rounded to T, exactly as add() then rms_norm() would see it.
-      auto value = [&](int64_t i, __mmask16 m) {
-        const __m512 v = load16(ar + i, m);
-        return br ? to_dtype<T>(_mm512_add_ps(v, load16(br + i, m))) : v;
-      };
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t i = 0; i < h; i += 16) {
-        const __m512 v = value(i, mask_for(h - i));
-        ss = _mm512_fmadd_ps(v, v, ss);
-      }
-      const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) +
-                                                           static_cast<float>(eps)));
-      for (int64_t i = c0; i < c1; i += 16) {
-        const __mmask16 m = mask_for(c1 - i);
-        const __m512 v = value(i, m);
-        if (sums) store16(sums + r * h + i, v, m);
-        const __m512 y = to_dtype<T>(_mm512_mul_ps(v, vinv));
-        store16(outs + r * h + i, _mm512_mul_ps(load16(w + i, m), y), m);
-      }
-    }
+    for (int64_t r = 0; r < a.size(0); ++r)
+      rms_norm_row<T>(a.data_ptr<T>() + r * h, b.defined() ? b.data_ptr<T>() + r * h : nullptr, weight.data_ptr<T>(),
+                      sums ? sums + r * h : nullptr, out.data_ptr<T>() + r * h, h, static_cast<float>(eps), c0, c1);
   });
 }
 
