@@ -404,18 +404,25 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   {
     const int tid = omp_get_thread_num();
     const int64_t kv0 = num_kv_heads * tid / nth, kv1 = num_kv_heads * (tid + 1) / nth;  // this thread's kv heads
+    // A projection whose output every thread then reads in whole rows gets its biases (each
+    // thread its share of columns) and a barrier first.
+    auto add_bias_before_whole_rows = [&](const Projection& proj) {
+      if (!proj.has_bias()) return;
+      guarded([&] {
+        const auto [c0, c1] = unit_share(tid, nth, proj.out().size(1), 16);
+        proj.add_bias(c0, c1);
+      });
+#pragma omp barrier
+    };
     for (int i = 0; i < num_layers; ++i) {
       const DecoderLayer& layer = *layers[i];
       // The previous layer's residual (its MLP output into resid), input norm, qkv activations.
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, qkv.k_pad(), qkv.unit());
-        if (i == 0) {
-          fastdraft::residual_rms_norm_columns(resid, none, layer.input_norm, layer.eps, none, normed,
-                                               std::min(c0, hidden_size), std::min(c1, hidden_size));
-        } else {
-          fastdraft::residual_rms_norm_columns(mid, down.out(), layer.input_norm, layer.eps, resid, normed,
-                                               std::min(c0, hidden_size), std::min(c1, hidden_size));
-        }
+        const bool is_first = i == 0;  // the input itself is the residual stream
+        fastdraft::residual_rms_norm_columns(is_first ? resid : mid, is_first ? none : down.out(), layer.input_norm,
+                                             layer.eps, is_first ? none : resid, normed, std::min(c0, hidden_size),
+                                             std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
         if (tid == 0) {
           fastdraft::attention_replan(plan, q_rows, k_layers[i], v_layers[i], layer.scale, num_tokens,
@@ -460,13 +467,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       if (failed) break;
       o_proj.run(tid);
 #pragma omp barrier
-      if (o_proj.has_bias()) {  // every thread reads whole rows below: biases first
-        guarded([&] {
-          const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
-          o_proj.add_bias(c0, c1);
-        });
-#pragma omp barrier
-      }
+      add_bias_before_whole_rows(o_proj);
       // The attention residual into mid, post-attention norm, gate_up activations.
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, gate_up.k_pad(), gate_up.unit());
@@ -496,13 +497,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       if (failed) break;
       down.run(tid);
 #pragma omp barrier
-      if (down.has_bias()) {
-        guarded([&] {
-          const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
-          down.add_bias(c0, c1);
-        });
-#pragma omp barrier
-      }
+      add_bias_before_whole_rows(down);
     }
     // The last layer's residual, then the final norm and the head's activations.
     guarded([&] {
@@ -514,7 +509,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       if (head) lm_head.prefetch_share(tid, kSectionPrefetchBytes);
       const auto [c0, c1] = head ? unit_share(tid, nth, lm_head.k_pad(), lm_head.unit())
                                  : unit_share(tid, nth, hidden_size, 16);
-      fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, resid, normed,
+      fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
                                            std::min(c0, hidden_size), std::min(c1, hidden_size));
       if (head) lm_head.quantize(head_rows, c0, c1);
     });
