@@ -17,7 +17,7 @@ from fastdraft.config import ModelConfig
 from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import cached_attention
-from fastdraft.layers.linear import fused_linears
+from fastdraft.layers.linear import fused_linears, has_hooks
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.rotary import RotaryEmbedding
 from fastdraft.models.fused_decoder import fused_decoder_for
@@ -111,6 +111,14 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 min_rows: int = 1) -> torch.Tensor:
+        return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
+
+    def forward_to(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int = 1,
+                   lm_head: nn.Module | None = None, num_logit_rows: int = 0) -> tuple[torch.Tensor, bool]:
+        """-> (final hidden states [batch, num_tokens, hidden_size], False); or, given
+        ``lm_head``, when the fused C++ call can run it too (a decode or verification step),
+        (its output for the last ``num_logit_rows`` tokens [rows, out_features] in the
+        activation dtype, True)."""
         hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
         num_tokens = hidden_states.shape[1]
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [batch, num_tokens, head_dim]
@@ -119,29 +127,16 @@ class LlamaModel(nn.Module):
             fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
         if fused is not None:
             norm = fused.norm_args(self.norm)
-            hidden_states = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta, norm)
-            return hidden_states.unsqueeze(0) if norm is not None else self.norm(hidden_states.unsqueeze(0))
+            head = fused.head_op(lm_head) if norm is not None and lm_head is not None else None
+            out = fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta, norm, head, num_logit_rows)
+            if head is not None:
+                return out, True
+            return (out.unsqueeze(0) if norm is not None else self.norm(out.unsqueeze(0))), False
         if num_tokens < min_rows:  # zero rows stay finite through RMSNorm and are dropped below
             hidden_states = F.pad(hidden_states, (0, 0, 0, min_rows - num_tokens))
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, kv_cache, meta)
-        return self.norm(hidden_states[:, :num_tokens])
-
-    def fused_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
-                     lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
-        """``lm_head`` applied to the last ``num_logit_rows`` final hidden states [rows, vocab]
-        (activation dtype) in one C++ call with the decoder, or None where that call cannot
-        serve this pass (then run ``forward`` and the head)."""
-        if not self.is_fused_decode_enabled:
-            return None
-        hidden_states = self.embed_tokens(input_ids)  # [1, num_tokens, hidden_size]
-        fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
-        norm = fused.norm_args(self.norm) if fused is not None else None
-        head = fused.head_op(lm_head) if norm is not None else None
-        if head is None:
-            return None
-        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)
-        return fused.forward(hidden_states[0], cos[0], sin[0], kv_cache, meta, norm, head, num_logit_rows)
+        return self.norm(hidden_states[:, :num_tokens]), False
 
 
 class LlamaForCausalLM(nn.Module):
@@ -189,10 +184,12 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.shape[0] != 1 or not 1 <= rows <= num_tokens:
             raise ValueError(f"decode_logits takes one sequence and 1..{num_tokens} logit rows, got "
                              f"batch {input_ids.shape[0]} and {rows} rows")
-        logits = self.model.fused_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
-        if logits is None:
+        if has_hooks(self) or has_hooks(self.model):  # observed calls go through forward
             return self.compute_logits(self(input_ids, kv_cache, meta)[0, num_tokens - rows:])
-        return logits.float()
+        out, is_logits = self.model.forward_to(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
+        if is_logits:
+            return out.float()
+        return self.compute_logits(out[0, num_tokens - rows:])
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights read per decode step: every parameter and buffer once, except the

@@ -166,3 +166,14 @@ def test_decode_logits_rejects_bad_rows(tiny_models):
     cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
     with torch.inference_mode(), pytest.raises(ValueError, match="logit rows"):
         model.decode_logits(torch.zeros(1, 2, dtype=torch.long), cache, cache.append(2), 3)
+
+
+def test_decode_logits_runs_forward_hooks(tiny_models):
+    model = _model(tiny_models, "llama", "bf16", "int4-g32-sym")
+    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    calls = []
+    model.model.register_forward_hook(lambda *args: calls.append(1))
+    with torch.inference_mode():
+        model(torch.zeros(1, 4, dtype=torch.long), cache, cache.append(4))
+        model.decode_logits(torch.zeros(1, 1, dtype=torch.long), cache, cache.append(1))
+    assert len(calls) == 2
