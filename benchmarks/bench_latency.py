@@ -198,11 +198,9 @@ def agreement(a: list[int], b: list[int]) -> float:
 def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
     """KV cache bytes a decode step reads at the run's mean context (16-bit keys and values,
     as both fastdraft's bf16 cache and llama.cpp's default f16 cache store them)."""
-    import json
-
     from fastdraft.config import ModelConfig
 
-    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    config = ModelConfig.from_file(model_dir / "config.json")
     mean_context = num_prompt + num_new / 2
     return round(config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * mean_context * 2)
 
