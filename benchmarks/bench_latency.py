@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.generate import generate_token_ids
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
@@ -303,6 +304,7 @@ def main() -> None:
         parser.error("prompt + new tokens must fit the 2048-token context")
     args.quant = [q for q in (args.quant or ["method=rtn,group_size=128"]) if q != "none"]
     torch.set_num_threads(args.threads)
+    tune_malloc()  # as fastdraft's TextGenerator does; every system in this process gets it
     load = os.getloadavg()[0]
     if load > 0.5:  # timings are only meaningful on an otherwise idle machine
         print(f"warning: 1-minute load average is {load:.1f} before the run; timings will be noisy")

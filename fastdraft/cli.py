@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", type=_positive_int, default=4)
     gen.add_argument("--draft-device", default=None, help="device of the draft (e.g. cpu beside a cuda target)")
     gen.add_argument("--no-adaptive", action="store_true", help="always draft --num-speculative-tokens tokens")
+    gen.add_argument("--draft-min-confidence", type=float, default=None,
+                     help="a draft token counts as confident when the draft's top probability reaches this; "
+                          "the adaptive draft length may stop drafting after an unconfident one "
+                          "(default: SpeculativeConfig's, 0.8; 0: off)")
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
                      help="quantize on the fly at load time (RTN)")
 
@@ -150,8 +154,9 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
     spec = None
     if args.speculative:
+        extra = {} if args.draft_min_confidence is None else {"min_confidence": args.draft_min_confidence}
         spec = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                                 draft_device=args.draft_device, is_adaptive=not args.no_adaptive)
+                                 draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit)
     generator = TextGenerator(loaded, max_seq_len=args.max_seq_len, speculative=spec)
     stream = generator.stream(args.prompt, params, chat=args.chat)

@@ -39,6 +39,11 @@ def test_negative_temperature(capsys):
     _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature")
 
 
+def test_bad_draft_min_confidence(capsys):
+    _fails_cleanly(capsys, ["generate", "--prompt", "hi", "--speculative", "self", "--draft-min-confidence", "1.5"],
+                   "min_confidence")
+
+
 def test_missing_prompt(capsys):
     _fails_cleanly(capsys, ["generate", "--max-tokens", "5"], "--prompt")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -147,6 +148,7 @@ class TextGenerator:
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
                  speculative: "SpeculativeConfig | None" = None, draft: LoadedModel | None = None) -> None:
+        tune_malloc()  # decode steps reuse their large buffers instead of page-faulting them in
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids

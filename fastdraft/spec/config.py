@@ -27,7 +27,9 @@ class SpeculativeConfig:
     draft: str = SELF
     num_speculative_tokens: int = 4
     is_adaptive: bool = True  # adapt k from acceptance and cost; fall back to plain decoding
-    min_confidence: float = 0.0  # stop drafting when the draft's top probability drops below this
+    # A draft token is "confident" when the draft's top probability reaches this; the adaptive
+    # draft length may stop a step's drafting after the first other one (0: never judge).
+    min_confidence: float = 0.8
     draft_low_bit: str | None = "sym_int4"  # how the draft is quantized on load (None: as stored)
     draft_group_size: int = 128
     # The draft's LM head: 4 (INT4, like its linears), 8 (INT8 per channel) or 16. A draft only

@@ -21,6 +21,7 @@ from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import logits_to_probs, sample
 from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.spec.draft_length import AdaptiveDraftLength, step_costs_for
 from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
 
 
@@ -83,159 +84,6 @@ class SpecMetrics:
                 f"{self.mean_accepted_length:.2f} tok/step | per position [{per_pos}]")
 
 
-@dataclass
-class StepCosts:
-    """Costs relative to one plain decode step of the target: a draft step, and a target
-    verification pass over ``k + 1`` tokens (``verify[0] == 1`` is plain decoding)."""
-
-    draft: float
-    verify: list[float]
-
-
-@torch.inference_mode()
-def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_len: int = 32,
-                       repeats: int = 5) -> StepCosts:
-    """Time the passes speculation is made of, once, on scratch caches holding ``context_len``
-    tokens (speculative_generate passes the first request's prompt length): attention over
-    the context is part of every pass's cost, and grows with the number of new tokens.
-
-    Decoding is bound by reading weights, but a kernel's cost still grows with the number of
-    rows it multiplies (a lot for some INT4 kernels), so the costs are measured rather than
-    derived from byte counts. The passes are timed in interleaved rounds and each keeps its
-    fastest time: on a shared machine noise only ever adds time, and interleaving keeps a
-    slow spell from landing on one pass alone."""
-    if context_len < 1:
-        raise ValueError(f"context_len must be >= 1, got {context_len}")
-
-    def make_pass(model: LlamaForCausalLM, cache: KVCache, num_tokens: int):
-        step = torch.zeros(1, num_tokens, dtype=torch.long, device=model.device)
-
-        def run() -> None:
-            # The context's keys/values are the cache's zeros: only its length matters to the
-            # time, so no prefill is needed.
-            cache.truncate(0)
-            cache.append(context_len)
-            model.decode_logits(step, cache, cache.append(num_tokens))
-
-        run()  # warm-up
-        return run
-
-    def scratch_cache(model: LlamaForCausalLM, num_tokens: int) -> KVCache:
-        return KVCache.from_config(model.config, context_len + num_tokens, dtype=model.dtype, device=model.device)
-
-    target_cache = scratch_cache(target, k_max + 1)
-    passes = [make_pass(target, target_cache, k + 1) for k in range(k_max + 1)]  # passes[0]: plain decoding
-    draft_model = getattr(proposer, "model", None)
-    if draft_model is not None:
-        passes.append(make_pass(draft_model, scratch_cache(draft_model, 1), 1))
-    best = [float("inf")] * len(passes)
-    for _ in range(repeats):
-        for i, run in enumerate(passes):
-            start = time.perf_counter()
-            run()
-            best[i] = min(best[i], time.perf_counter() - start)
-    decode = best[0]
-    verify = [t / decode for t in best[:k_max + 1]]
-    draft = best[-1] / decode if draft_model is not None else 0.01
-    return StepCosts(draft=draft, verify=verify)
-
-
-def step_costs_for(target: LlamaForCausalLM, proposer, k_max: int, prompt_len: int) -> StepCosts:
-    """The proposer's step costs for a prompt of ``prompt_len`` tokens, measured on first need
-    for each ``k_max`` and power-of-two range of prompt lengths and kept on the proposer
-    (``proposer.step_costs``). Attention over the context is part of every pass, so costs
-    measured on a short prompt (a warm-up request) would misjudge a long one: at 1024 tokens
-    of context, verifying 5 tokens of the 1.5B costs 1.40 plain steps, at 32 tokens 1.08."""
-    if getattr(proposer, "step_costs", None) is None:
-        proposer.step_costs = {}
-    key = (k_max, prompt_len.bit_length())
-    if key not in proposer.step_costs:
-        proposer.step_costs[key] = measure_step_costs(target, proposer, k_max, context_len=prompt_len)
-    return proposer.step_costs[key]
-
-
-class AdaptiveDraftLength:
-    """Chooses ``k`` each step from the recent acceptance rate and the measured step costs.
-
-    With per-token acceptance ``a``, a step with ``k`` drafts emits ``(1 - a^(k+1)) / (1 - a)``
-    tokens for ``k * draft + verify[k]`` plain-step costs. We pick the ``k`` in ``[0, k_max]``
-    with the best ratio; ``k = 0`` is plain decoding, chosen whenever speculation would not
-    pay, so a poor draft (or a target whose multi-token passes are expensive) cannot make
-    decoding much slower. The costs are measured once, so seeded runs choose the same ``k``s.
-
-    The recent estimate is a ratio of decayed counts, starting from a prior worth
-    ``prior_trials`` positions. A plain step tests nothing, so it pulls the estimate toward
-    the request's long-run acceptance: a good draft's bad spell ends in a few plain steps,
-    while a poor draft's long-run rate keeps it plain, with a ``k = 1`` probe every
-    ``probe_every`` plain steps. (Measured on the 0.5B/1.5B pair at T=0.7: with a one-trial
-    prior and no pull, one early rejection left a request in plain decoding for ~25 steps.)
-    """
-
-    def __init__(self, k_max: int, costs: StepCosts | None = None, is_enabled: bool = True, ema: float = 0.9,
-                 probe_every: int = 8, prior: float = 0.7, prior_trials: float = 4.0) -> None:
-        if k_max < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-        if not 0.0 < ema < 1.0 or not 0.0 <= prior <= 1.0 or prior_trials <= 0 or probe_every < 1:
-            raise ValueError("need 0 < ema < 1, 0 <= prior <= 1, prior_trials > 0 and probe_every >= 1")
-        self.k_max = k_max
-        self.costs = costs or StepCosts(draft=0.3, verify=[1.0] * (k_max + 1))
-        self.is_enabled = is_enabled
-        self.ema = ema
-        self.probe_every = probe_every
-        # Decayed counts of accepted positions and of positions tested (recent), and their
-        # undecayed totals over the request (long run); both start from the prior.
-        self._num_accepted, self._num_trials = prior * prior_trials, prior_trials
-        self._total_accepted, self._total_trials = prior * prior_trials, prior_trials
-        self._plain_steps = 0
-
-    @property
-    def acceptance(self) -> float:
-        """Estimated probability that the draft's next token is accepted."""
-        return self._num_accepted / self._num_trials
-
-    @acceptance.setter
-    def acceptance(self, value: float) -> None:
-        self._num_accepted, self._num_trials = value, 1.0
-
-    @property
-    def long_run_acceptance(self) -> float:
-        """Acceptance over the whole request so far (with the prior)."""
-        return self._total_accepted / self._total_trials
-
-    def gain(self, k: int) -> float:
-        """Expected tokens per unit of plain-decoding time with ``k`` drafts."""
-        a = min(self.acceptance, 0.99)
-        return ((1 - a ** (k + 1)) / (1 - a)) / (k * self.costs.draft + self.costs.verify[k])
-
-    def next_k(self) -> int:
-        if not self.is_enabled:
-            return self.k_max
-        best = max(range(self.k_max + 1), key=self.gain)
-        if best == 0:
-            self._plain_steps += 1
-            if self._plain_steps % self.probe_every == 0:
-                return 1
-        return best
-
-    def update(self, num_draft: int, num_accepted: int) -> None:
-        """Fold one step into the per-token acceptance estimate.
-
-        A step tests positions until the first rejection: ``num_accepted`` successes out of
-        ``num_accepted + 1`` trials (out of ``num_draft`` when all pass). The estimate is the
-        ratio of decayed sums of both; ``num_accepted / num_draft`` would count positions
-        after a rejection as failures (a = 0.93 with k = 4 reads 0.86) and drive ``k`` down.
-        A plain step (``num_draft == 0``) counts as one trial at the long-run rate."""
-        if num_draft == 0:
-            self._num_accepted = self.ema * self._num_accepted + self.long_run_acceptance
-            self._num_trials = self.ema * self._num_trials + 1.0
-            return
-        num_trials = num_accepted + (num_accepted < num_draft)
-        self._num_accepted = self.ema * self._num_accepted + num_accepted
-        self._num_trials = self.ema * self._num_trials + num_trials
-        self._total_accepted += num_accepted
-        self._total_trials += num_trials
-
-
 def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Zero-pad (or trim padding of) draft probabilities to the target's vocabulary size."""
     if probs.shape[-1] == vocab_size:
@@ -274,10 +122,11 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     if first in eos or num_new >= params.max_new_tokens:
         return
     while True:
-        k = min(controller.next_k(), params.max_new_tokens - num_new - 1)
+        plan = controller.next_plan()
+        k = min(plan.num_tokens, params.max_new_tokens - num_new - 1)
         start = time.perf_counter()
         if k > 0:
-            proposal = proposer.propose(tokens, k, params, draft_generator)
+            proposal = proposer.propose(tokens, k, params, draft_generator, plan.stops_when_unconfident)
             draft_ids = proposal.draft_token_ids.to(device)
         else:
             proposal, draft_ids = None, torch.empty(0, dtype=torch.long, device=device)
@@ -317,7 +166,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
             metrics.record(num_draft, result.num_accepted, len(new_tokens))
         else:
             metrics.num_plain_steps += 1
-        controller.update(num_draft, result.num_accepted)
+        controller.update(num_draft, result.num_accepted, proposal.is_confident if num_draft else None)
         for token in new_tokens:
             num_new += 1
             yield token

@@ -28,6 +28,9 @@ class Proposal:
     # The vocabulary ids of draft_probs' columns (sorted) when the draft's head covers only part
     # of the vocabulary, every other token having draft probability 0; None: column i is token i.
     draft_vocab_ids: torch.Tensor | None = None
+    # [num_draft] whether the draft's top probability reached its min_confidence at each
+    # token; None when the proposer does not judge confidence.
+    is_confident: list[bool] | None = None
 
 
 class DraftModelProposer:
@@ -36,14 +39,18 @@ class DraftModelProposer:
     ``token_ids`` [draft_vocab]: the vocabulary ids of the draft head's rows when the head was
     restricted to frequent tokens (spec/draft_vocab.py). Proposals then carry probabilities
     over those ids only (``Proposal.draft_vocab_ids``): scattering each draft step's
-    distribution into a zeroed full-vocabulary row cost about 0.1 ms per draft token here."""
+    distribution into a zeroed full-vocabulary row cost about 0.1 ms per draft token here.
+
+    ``min_confidence`` > 0: each draft token is flagged confident when the draft's top
+    probability (at the sampling temperature; softmax of the logits for greedy decoding)
+    reaches it, and a proposal asked to stop when unconfident ends after the first other."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
                  min_confidence: float = 0.0, token_ids: torch.Tensor | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.shares_target_cache = shares_target_cache
-        self.min_confidence = min_confidence  # stop drafting once the draft's top probability drops below
+        self.min_confidence = min_confidence
         self.token_ids = token_ids
         self.step_costs = {}  # (k_max, prompt-length range) -> StepCosts, filled by speculative_generate
 
@@ -58,14 +65,16 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
-        """Up to ``num_tokens`` draft tokens continuing the committed ``token_ids``."""
+                generator: torch.Generator | None, stops_when_unconfident: bool = False) -> Proposal:
+        """Up to ``num_tokens`` draft tokens continuing the committed ``token_ids``; with
+        ``stops_when_unconfident``, none after the first token the draft was unsure of."""
         cached = self.kv_cache.seq_lens[0]
         pending = token_ids[cached:]  # tokens the draft has not seen yet (at least the last one)
         device = self.model.device
         input_ids = torch.tensor([pending], device=device)
         draft_ids: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
+        is_confident: list[bool] = []
         for step in range(num_tokens):
             meta = self.kv_cache.append(input_ids.shape[1])
             logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1)  # [1, draft_vocab]
@@ -82,12 +91,14 @@ class DraftModelProposer:
             draft_ids.append(next_id)
             if probs is not None:
                 draft_probs.append(probs[0])
-            if confidence is not None and float(confidence) < self.min_confidence:
-                break
+            if confidence is not None:
+                is_confident.append(float(confidence) >= self.min_confidence)
+                if stops_when_unconfident and not is_confident[-1]:
+                    break
             if step < num_tokens - 1:
                 input_ids = next_id.view(1, 1)
         return Proposal(torch.cat(draft_ids), torch.stack(draft_probs) if draft_probs else None,
-                        self.token_ids if draft_probs else None)
+                        self.token_ids if draft_probs else None, is_confident if self.min_confidence > 0 else None)
 
     def rollback(self, num_valid: int) -> None:
         """Keep only cache entries of the first ``num_valid`` committed tokens."""
@@ -109,7 +120,7 @@ class NgramProposer:
         pass
 
     def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, stops_when_unconfident: bool = False) -> Proposal:
         found: list[int] = []
         for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
             tail = token_ids[-n:]

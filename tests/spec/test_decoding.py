@@ -13,9 +13,10 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.models.loader import load_model
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
-from fastdraft.spec import decoding
-from fastdraft.spec.decoding import (AdaptiveDraftLength, SpecMetrics, StepCosts, _match_vocab, measure_step_costs,
-                                     speculative_generate, step_costs_for)
+from fastdraft.spec import draft_length
+from fastdraft.spec.decoding import SpecMetrics, _match_vocab, speculative_generate
+from fastdraft.spec.draft_length import (AdaptiveDraftLength, DraftPlan, StepCosts, measure_step_costs,
+                                         step_costs_for)
 from fastdraft.spec.proposer import DraftModelProposer, NgramProposer, Proposal
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2]
@@ -78,21 +79,21 @@ def test_adaptive_controller_chooses_plain_decoding_for_a_useless_draft():
     controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.4, verify=[1.0] * 5))
     for _ in range(30):
         controller.update(num_draft=4, num_accepted=0)
-    ks = [controller.next_k() for _ in range(16)]
+    ks = [controller.next_plan().num_tokens for _ in range(16)]
     assert ks.count(0) >= 14 and max(ks) <= 1  # plain decoding, with rare k=1 probes
     for _ in range(30):
         controller.update(num_draft=4, num_accepted=4)
-    assert controller.next_k() == 4
+    assert controller.next_plan().num_tokens == 4
     # An expensive verification pass (e.g. a slow small-M kernel) makes speculation not pay.
     costly = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.35, verify=[1.0, 1.8, 2.0, 2.2, 2.4]))
     costly.acceptance = 0.6
-    assert costly.next_k() == 0
+    assert costly.next_plan().num_tokens == 0
 
 
 def _plain_steps_until_speculating(controller: AdaptiveDraftLength, max_steps: int = 16) -> int:
     """Plain steps the controller takes before it drafts again (probes included)."""
     for step in range(max_steps):
-        k = controller.next_k()
+        k = controller.next_plan().num_tokens
         if k > 0:
             return step
         controller.update(num_draft=0, num_accepted=0)
@@ -107,7 +108,7 @@ def test_adaptive_controller_leaves_a_bad_spell_of_a_good_draft_within_a_few_pla
         controller.update(num_draft=4, num_accepted=2)
     for _ in range(25):  # then a long run of early rejections
         controller.update(num_draft=2, num_accepted=0)
-    assert controller.next_k() == 0
+    assert controller.next_plan().num_tokens == 0
     # Plain steps pull the estimate back toward the long-run rate: speculation resumes before
     # the first k=1 probe (which comes after probe_every = 8 plain steps).
     assert _plain_steps_until_speculating(controller) < 4
@@ -117,7 +118,7 @@ def test_adaptive_controller_survives_an_early_rejection():
     # One rejection at the first step must not cost a request dozens of plain steps (it did
     # with these costs, measured for the 0.5B/1.5B pair at 1024 tokens of context).
     controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.29, verify=[1.0, 1.04, 1.12, 1.26, 1.40]))
-    k = controller.next_k()
+    k = controller.next_plan().num_tokens
     assert k >= 1
     controller.update(num_draft=k, num_accepted=0)
     assert _plain_steps_until_speculating(controller) <= 1
@@ -129,7 +130,7 @@ def test_adaptive_controller_keeps_a_poor_draft_plain_through_plain_steps():
         controller.update(num_draft=2, num_accepted=0)
     ks = []
     for _ in range(32):
-        ks.append(controller.next_k())
+        ks.append(controller.next_plan().num_tokens)
         controller.update(num_draft=ks[-1], num_accepted=0)
     assert ks.count(0) >= 28 and max(ks) <= 1  # plain, with rare k=1 probes that fail
 
@@ -154,6 +155,92 @@ def test_adaptive_controller_estimates_per_token_acceptance():
         num_draft_total += k
     assert abs(controller.acceptance - a) < 0.03
     assert num_accepted_total / num_draft_total < a - 0.05  # the biased ratio
+
+
+PAIR_COSTS = StepCosts(draft=0.27, verify=[1.0, 1.075, 1.15, 1.225, 1.3])  # the 0.5B/1.5B pair, about
+
+
+def _simulated_gain(k: int, stops: bool, share: float, a_conf: float, a_unsure: float, costs: StepCosts,
+                    num_steps: int = 20000) -> float:
+    """Tokens per unit of plain-step time, by drawing steps position by position."""
+    rng = torch.Generator().manual_seed(0)
+    tokens = cost = 0.0
+    for _ in range(num_steps):
+        u = torch.rand(2 * k, generator=rng).tolist()
+        num_draft, num_accepted, is_chain = 0, 0, True
+        for i in range(k):
+            num_draft += 1
+            is_sure = u[2 * i] < share
+            if is_chain and u[2 * i + 1] < (a_conf if is_sure else a_unsure):
+                num_accepted += 1
+            else:
+                is_chain = False
+            if stops and not is_sure:
+                break
+        tokens += num_accepted + 1
+        cost += num_draft * costs.draft + costs.verify[num_draft]
+    return tokens / cost
+
+
+@pytest.mark.parametrize("k,stops", [(1, False), (3, False), (2, True), (4, True)])
+def test_adaptive_gain_matches_a_simulation_of_its_model(k, stops):
+    share, a_conf, a_unsure = 0.7, 0.92, 0.5
+    controller = AdaptiveDraftLength(k_max=4, costs=PAIR_COSTS)
+    controller._confident.set_recent(a_conf)
+    controller._unsure.set_recent(a_unsure)
+    controller._share.set_recent(share)
+    expected = _simulated_gain(k, stops, share, a_conf, a_unsure, PAIR_COSTS)
+    assert controller.gain(k, stops) == pytest.approx(expected, rel=0.02)
+
+
+def _feed(controller: AdaptiveDraftLength, share: float, a_conf: float, a_unsure: float, num_steps: int = 300,
+          k: int = 4, judges: bool = True) -> None:
+    """Update ``controller`` with steps drawn from the model (drafting through every position)."""
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(num_steps):
+        is_sure = (torch.rand(k, generator=rng) < share).tolist()
+        passed = [torch.rand(1, generator=rng).item() < (a_conf if s else a_unsure) for s in is_sure]
+        num_accepted = int(torch.tensor(passed).int().cumprod(0).sum())
+        controller.update(k, num_accepted, is_sure if judges else None)
+
+
+def test_adaptive_plan_stops_drafting_after_an_unsure_token_when_that_pays():
+    # The 0.5B/1.5B pair at T=0.7: sure of ~70% of positions, 92% of those accepted, half of the rest.
+    judging = AdaptiveDraftLength(k_max=4, costs=PAIR_COSTS)
+    _feed(judging, share=0.7, a_conf=0.92, a_unsure=0.5)
+    plan = judging.next_plan()
+    assert plan == DraftPlan(4, stops_when_unconfident=True)
+    assert judging.gain(4, True) > 1.02 * max(judging.gain(k) for k in range(5))
+    # The same steps without confidence flags: one per-token rate (about 0.8), a shorter fixed k.
+    blind = AdaptiveDraftLength(k_max=4, costs=PAIR_COSTS)
+    _feed(blind, share=0.7, a_conf=0.92, a_unsure=0.5, judges=False)
+    assert blind.acceptance == pytest.approx(0.8, abs=0.05)
+    plan = blind.next_plan()
+    assert plan.num_tokens in (2, 3) and not plan.stops_when_unconfident
+    # A draft whose unsure tokens are accepted as often as its sure ones has no reason to stop.
+    even = AdaptiveDraftLength(k_max=4, costs=PAIR_COSTS)
+    _feed(even, share=0.7, a_conf=0.95, a_unsure=0.95)
+    assert even.next_plan() == DraftPlan(4, stops_when_unconfident=False)
+
+
+def test_adaptive_update_checks_the_confidence_flags():
+    controller = AdaptiveDraftLength(k_max=4)
+    with pytest.raises(ValueError, match="flags"):
+        controller.update(num_draft=3, num_accepted=1, is_confident=[True])
+
+
+def test_draft_proposer_flags_confidence_and_stops_when_asked(target, tiny_models):
+    draft = load_model(tiny_models.dir("llama"), dtype="fp32")  # random weights: never sure
+    cache = KVCache.from_config(draft.config, 64, dtype=torch.float32)
+    prompt_ids = target.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.8, seed=0)
+    for min_confidence, stops, num_expected, flags in ((0.9, False, 4, [False] * 4), (0.9, True, 1, [False]),
+                                                       (0.0, True, 4, None), (1e-6, True, 4, [True] * 4)):
+        proposer = DraftModelProposer(draft.model, cache, min_confidence=min_confidence)
+        proposer.start(prompt_ids)
+        proposal = proposer.propose(prompt_ids + [1], 4, params, torch.Generator().manual_seed(0), stops)
+        assert proposal.draft_token_ids.shape[0] == num_expected and proposal.is_confident == flags
+        assert proposal.draft_probs.shape[0] == num_expected
 
 
 def test_kv_cache_is_rolled_back_to_the_committed_prefix(target, tiny_models):
@@ -194,9 +281,11 @@ def test_seeded_speculative_sampling_is_reproducible(target):
 
 
 class _UniformOverSupportProposer:
-    """Drafts one token uniformly over the target's sampling support: it overlaps the target's
+    """Drafts tokens uniformly over the target's sampling support: it overlaps the target's
     distribution without matching it, so accepted, recovered and bonus tokens all occur and a
-    wrong residual distribution would show (it is ~0.1 away in total variation here)."""
+    wrong residual distribution would show (it is ~0.1 away in total variation here). After
+    the first token it stops at random, as a draft stopping when unconfident does: proposal
+    lengths that depend on the draft's own draws must leave the output exact."""
 
     step_costs = None
 
@@ -206,16 +295,23 @@ class _UniformOverSupportProposer:
     def start(self, prompt_ids: list[int]) -> None:
         pass
 
-    def propose(self, token_ids, num_tokens, params, generator) -> Proposal:
-        support = self.next_probs(token_ids) > 0
-        draft_probs = support.float() / support.sum()  # [vocab_size]
-        return Proposal(sample_from_probs(draft_probs, generator).view(1), draft_probs[None])
+    def propose(self, token_ids, num_tokens, params, generator, stops_when_unconfident=False) -> Proposal:
+        draft_ids, draft_probs = [], []
+        for i in range(num_tokens):
+            if i > 0 and torch.rand(1, generator=generator).item() < 0.5:
+                break
+            support = self.next_probs(token_ids + draft_ids) > 0
+            probs = support.float() / support.sum()  # [vocab_size]
+            draft_ids.append(int(sample_from_probs(probs, generator)))
+            draft_probs.append(probs)
+        return Proposal(torch.tensor(draft_ids), torch.stack(draft_probs))
 
     def rollback(self, num_valid: int) -> None:
         pass
 
 
-def test_speculative_sampling_follows_the_target_distribution_end_to_end(target):
+@pytest.mark.parametrize("num_speculative_tokens", [1, 2])
+def test_speculative_sampling_follows_the_target_distribution_end_to_end(target, num_speculative_tokens):
     # Through the whole loop (drafting, verification, recovered and bonus tokens, rollback):
     # the joint distribution of the first two new tokens must be the target's own.
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
@@ -238,7 +334,7 @@ def test_speculative_sampling_follows_the_target_distribution_end_to_end(target)
     for seed in range(num_samples):
         cache.reset()
         out = list(speculative_generate(target.model, proposer, prompt_ids, replace(params, seed=seed), cache, [],
-                                        1, False, metrics))
+                                        num_speculative_tokens, False, metrics))
         counts[tuple(out[:2])] = counts.get(tuple(out[:2]), 0) + 1
     assert 0.2 < metrics.acceptance_rate < 0.95  # both accepted and recovered tokens
     assert set(counts) <= set(exact)
@@ -319,7 +415,7 @@ def test_step_costs_are_measured_once_per_range_of_prompt_lengths(target, monkey
         contexts.append((k_max, context_len))
         return measure_step_costs(target_model, proposer, k_max, context_len, repeats=1)
 
-    monkeypatch.setattr(decoding, "measure_step_costs", measure)
+    monkeypatch.setattr(draft_length, "measure_step_costs", measure)
     short = step_costs_for(target.model, proposer, 3, 20)
     assert step_costs_for(target.model, proposer, 3, 30) is short  # same power-of-two range
     step_costs_for(target.model, proposer, 3, 200)  # a longer context: measured again, at its length
