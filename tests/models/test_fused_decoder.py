@@ -177,3 +177,39 @@ def test_decode_logits_runs_forward_hooks(tiny_models):
         model(torch.zeros(1, 4, dtype=torch.long), cache, cache.append(4))
         model.decode_logits(torch.zeros(1, 1, dtype=torch.long), cache, cache.append(1))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-int8vo"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_output_projection_and_head_biases_match_module_path(tiny_models, dtype, quant):
+    # No shipped model has biases on o_proj, down_proj or the LM head, but the fused region
+    # supports them (each added before the output's rows are read whole): give every one a bias.
+    model = load_model(tiny_models.dir("llama"), dtype=dtype).model
+    gen = torch.Generator().manual_seed(1)
+    layers = model.model.layers
+    linears = [model.lm_head] + [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    for linear in linears:
+        bias = torch.randn(linear.out_features, generator=gen) * 0.5
+        linear.bias = torch.nn.Parameter(bias.to(linear.weight.dtype))
+    if QUANTS[quant] is not None:
+        quantize_model(model, QUANTS[quant], show_progress=False)
+    assert all(m.bias is not None for m in (model.lm_head, layers[0].self_attn.o_proj, layers[-1].mlp.down_proj))
+    chunks = [1, 5, 1, 3]
+    fused = _steps(model, True, 7, chunks)
+    assert model.model.__dict__["_fused_decoder"][1] is not None, "the fused path was not taken"
+    reference = _steps(model, False, 7, chunks)
+    for got, want in zip(fused, reference):
+        assert torch.equal(got, want)
+    vocab = model.config.vocab_size
+    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    ids = torch.randint(0, vocab, (1, 3), generator=gen)
+    with torch.inference_mode():
+        for cache in caches:
+            model(prompt, cache, cache.append(7))
+        got = model.decode_logits(ids, caches[0], caches[0].append(3))
+        model.model.is_fused_decode_enabled = False
+        want = model.compute_logits(model(ids, caches[1], caches[1].append(3))[0])
+        model.model.is_fused_decode_enabled = True
+    assert torch.equal(got, want)
+    assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
