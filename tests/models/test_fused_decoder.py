@@ -63,6 +63,27 @@ def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
         assert torch.equal(got, want)
 
 
+def _decode_logits_both_paths(model, steps: list[tuple[int, int]], seed: int = 0):
+    """After a 7-token prompt, append (num_tokens, num_rows) steps of random tokens; per step
+    (decode_logits, compute_logits(forward) through the module path), each on its own cache."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    pairs = []
+    with torch.inference_mode():
+        for cache in caches:
+            model(prompt, cache, cache.append(7))
+        for num_tokens, num_rows in steps:
+            ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
+            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows)
+            model.model.is_fused_decode_enabled = False
+            want = model.compute_logits(model(ids, caches[1], caches[1].append(num_tokens))[0, -num_rows:])
+            model.model.is_fused_decode_enabled = True
+            pairs.append((got, want))
+    return pairs
+
+
 @pytest.mark.parametrize("quant", ["int4-g32-sym", "int4-mix8"])
 def test_fused_decoder_same_bits_for_any_thread_count(tiny_models, quant):
     # The weight-only stack runs in one parallel region whose threads steal tiles and attention
@@ -143,21 +164,10 @@ def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, va
     # The final norm and the LM head run inside the C++ call (a weight-only head inside the
     # decoder's region); the logits must equal the module path's, row for row.
     model = _model(tiny_models, variant, dtype, quant)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
-    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
-    with torch.inference_mode():
-        for cache in caches:
-            model(prompt, cache, cache.append(7))
-        for num_tokens, num_rows in [(1, 1), (5, 5), (3, 1), (MAX_FUSED_TOKENS, 2)]:
-            ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
-            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows)
-            model.model.is_fused_decode_enabled = False
-            want = model.compute_logits(model(ids, caches[1], caches[1].append(num_tokens))[0, -num_rows:])
-            model.model.is_fused_decode_enabled = True
-            assert got.shape == (num_rows, vocab) and got.dtype == torch.float32
-            assert torch.equal(got, want)
+    steps = [(1, 1), (5, 5), (3, 1), (MAX_FUSED_TOKENS, 2)]
+    for (_, num_rows), (got, want) in zip(steps, _decode_logits_both_paths(model, steps)):
+        assert got.shape == (num_rows, model.config.vocab_size) and got.dtype == torch.float32
+        assert torch.equal(got, want)
     assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
 
 
@@ -200,16 +210,6 @@ def test_output_projection_and_head_biases_match_module_path(tiny_models, dtype,
     reference = _steps(model, False, 7, chunks)
     for got, want in zip(fused, reference):
         assert torch.equal(got, want)
-    vocab = model.config.vocab_size
-    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
-    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
-    ids = torch.randint(0, vocab, (1, 3), generator=gen)
-    with torch.inference_mode():
-        for cache in caches:
-            model(prompt, cache, cache.append(7))
-        got = model.decode_logits(ids, caches[0], caches[0].append(3))
-        model.model.is_fused_decode_enabled = False
-        want = model.compute_logits(model(ids, caches[1], caches[1].append(3))[0])
-        model.model.is_fused_decode_enabled = True
+    [(got, want)] = _decode_logits_both_paths(model, [(3, 3)], seed=1)
     assert torch.equal(got, want)
     assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None

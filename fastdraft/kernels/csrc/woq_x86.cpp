@@ -159,7 +159,7 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
         for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
       for (int64_t c = 0; c < chunks_per_block; c += kUnroll) {
         for (int u = 0; u < kUnroll; ++u) {
-          if (ROWS <= kL1PrefetchMaxRows && is_l1_prefetch)
+          if (is_l1_prefetch)
             _mm_prefetch(reinterpret_cast<const char*>(w) + kL1PrefetchBytes, _MM_HINT_T0);
           else
             _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T1);
