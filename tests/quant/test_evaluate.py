@@ -76,7 +76,11 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     within = [c for c in result.candidates if c.eval.ppl_loss <= space.max_loss]
     assert [c.is_within_target for c in result.candidates] == [c.eval.ppl_loss <= 0.5 for c in result.candidates]
     if within:
-        assert result.best is min(within, key=lambda c: c.decode_ms)
+        # Ranked by the interleaved re-timing of the finalists; candidates that did not make
+        # the finalists keep their single first timing, which noise can make look faster.
+        finalists = [c for c in within if c.is_retimed]
+        assert 1 <= len(finalists) <= space.max_finalists
+        assert result.best is min(finalists, key=lambda c: c.decode_ms)
         assert best_model.quant_config == result.best.config
     else:
         assert result.best is None and best_model is None
