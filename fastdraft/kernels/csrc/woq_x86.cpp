@@ -32,18 +32,18 @@ using fastdraft::Activations;
 constexpr int kTile = 16;   // output rows per tile (one zmm of int32 lanes)
 constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight tile
 // Software prefetch ahead of the weight stream. The hardware prefetcher alone leaves ~5% of the
-// bandwidth unused. On the Xeon: 32 KB ahead into L2; 2 KB ahead into L1 was as good when the
-// machine was quiet, but 4-10% slower when memory latency rose under a neighbour's load (the
-// 1.5B's shapes, interleaved A/B). On AMD Zen 4 (EPYC), prefetches into L2 hold one thread's
-// stream back: an 8960 x 1536 INT4 GEMV read 22 GB/s on one thread (torch's sum: 30) and 29
-// with 8 KB ahead into L1 (2 threads: 31 -> 33). Whole 1.5B decode steps at 1024 keys, same
-// weights, interleaved: 1.03x at 1 and 2 rows, 1.00x at 3, but 0.95x at 4 rows, where each
-// line takes longer to consume, so calls of up to kL1PrefetchMaxRows rows use it.
-constexpr int kPrefetchBytes = 32768;   // into L2
-constexpr int kL1PrefetchBytes = 8192;  // into L1, on AMD
-constexpr int kL1PrefetchMaxRows = 2;
+// bandwidth unused on the Xeon, where 32 KB ahead into L2 is best; 2 KB ahead into L1 was as
+// good when the machine was quiet, but 4-10% slower when memory latency rose under a
+// neighbour's load (the 1.5B's shapes, interleaved A/B). On AMD Zen 4 (EPYC) calls of up to
+// kNoPrefetchMaxRows rows issue none: a cold 17920 x 1536 INT4 GEMV on 2 threads read 1.10x
+// faster (median of 20 interleaved rounds) without the 8 KB-ahead L1 prefetch used before,
+// and 1.15-1.2x when the VM's memory was in its fast state (~60 GB/s), where that prefetch
+// serialized compute and memory; at 2 rows 1.0-1.24x. From 3 rows, where each line takes
+// longer to consume, dropping the L2 prefetch cost 0.7-0.9x, so those calls keep it.
+constexpr int kPrefetchBytes = 32768;  // into L2
+constexpr int kNoPrefetchMaxRows = 2;
 
-bool prefers_l1_prefetch() {
+bool skips_small_prefetch() {
   static const bool is_amd = __builtin_cpu_is("amd");
   return is_amd;
 }
@@ -137,7 +137,7 @@ void quantize_row(const T* x, int64_t k, int64_t block, int64_t blocks_per_group
 }
 
 // One weight tile (16 output rows) against ROWS activation rows.
-template <int BITS, int ROWS, bool ASYM, bool L1_PREFETCH, typename T>
+template <int BITS, int ROWS, bool ASYM, bool PREFETCH, typename T>
 void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float zero_const,
                  const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
                  T* out, int64_t ldo, __mmask16 out_mask) {
@@ -171,10 +171,7 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
         for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
       for (int64_t c = 0; c < chunks_per_block; c += kUnroll) {
         for (int u = 0; u < kUnroll; ++u) {
-          if constexpr (L1_PREFETCH)
-            _mm_prefetch(reinterpret_cast<const char*>(w) + kL1PrefetchBytes, _MM_HINT_T0);
-          else
-            _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T1);
+          if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T1);
           const __m512i v = _mm512_loadu_si512(w);
           w += 64;
           const int64_t k0 = b * block + (c + u) * chunk_k;
@@ -218,18 +215,18 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
   for (int r = 0; r < ROWS; ++r) store16(out + (m0 + r) * ldo, acc[r], out_mask);
 }
 
-// tile_kernel with the prefetch flavour chosen for ROWS rows. The flavour is a template
-// argument: a run-time branch in the inner loop made gcc copy accumulators between registers
-// on every chunk. Together with dpbusd's asm: cache-hot INT4 GEMVs 1.28-1.43x faster at 1 row,
+// tile_kernel with or without software prefetch, as chosen for ROWS rows. The choice is a
+// template argument: a run-time branch in the inner loop made gcc copy accumulators between
+// registers on every chunk. Together with dpbusd's asm: cache-hot INT4 GEMVs 1.28-1.43x faster at 1 row,
 // 1.04-1.21x at 2 (2 threads, Zen 4).
 template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
-  if constexpr (ROWS <= kL1PrefetchMaxRows) {
-    if (prefers_l1_prefetch())
-      return tile_kernel<BITS, ROWS, ASYM, true>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+  if constexpr (ROWS <= kNoPrefetchMaxRows) {
+    if (skips_small_prefetch())
+      return tile_kernel<BITS, ROWS, ASYM, false>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
   }
-  tile_kernel<BITS, ROWS, ASYM, false>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+  tile_kernel<BITS, ROWS, ASYM, true>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
 }
 
 template <int BITS, bool ASYM, typename T>
