@@ -324,17 +324,30 @@ void fastdraft::rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tenso
 namespace {
 
 constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results are deterministic
-// Software prefetch this many keys ahead in q K^T and P V. The cached keys sit in 4 KiB runs per
-// head (16-32 keys), and the hardware prefetchers stop at each run's end, so without it every
-// run starts with a DRAM round trip. Measured on this VM, one layer over 1030 cold keys: 1.5B
-// 34.0 -> 22.4 us, 0.5B 17.2 -> 13.0 us (3-4% slower when the keys are already in cache);
-// whole decode steps 1.03-1.04x (interleaved A/B, 1.5B and 0.5B INT4 at 1024 keys).
+// Software prefetch this many keys ahead in q K^T and P V. A head's cached keys are one
+// contiguous run, but the hardware prefetchers stop at every 4 KiB boundary, so without it
+// each 16 keys (D=128) start with a DRAM round trip. On the Xeon, into L1: one layer over 1030
+// cold keys, 1.5B 34.0 -> 22.4 us, 0.5B 17.2 -> 13.0 us (3-4% slower when the keys are already
+// in cache); whole decode steps 1.03-1.04x. On AMD Zen 4, into L2: there L1 prefetches stalled
+// on the few L1 miss buffers (the prefetch loop was the hottest spot in a profile). One layer
+// over 1025 cold keys, interleaved, 2 threads: 1.5B 88-95 -> 61-65 us, 0.5B 47-58 -> 36-42 us
+// (32 keys ahead beat 16 and 64; adding an L1 prefetch 16 keys ahead lost 5-10%). Whole INT4
+// decode steps at 1024 keys, two interleaved runs: 1.5B 1.057x/1.063x, 0.5B 1.015x/1.014x;
+// 5-token verification 0.995x/1.026x (1.5B), 1.03x/1.011x (0.5B).
 constexpr int64_t kKeysAhead = 32;
 
-// Prefetch `count` bf16 values from p into L1.
+bool prefers_l2_key_prefetch() {
+  static const bool is_amd = __builtin_cpu_is("amd");
+  return is_amd;
+}
+
+// Prefetch `count` bf16 values from p into L1 (L2_PREFETCH: into L2). The choice is a template
+// argument down the attention's call chain: a run-time branch here made the attention 10-20%
+// slower.
+template <bool L2_PREFETCH>
 inline void prefetch_row(const at::BFloat16* p, int64_t count) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, L2_PREFETCH ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
 // Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
@@ -410,6 +423,7 @@ __attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int6
 
 // bf16 scores with AVX512-BF16 dot products: each 16-key tile is transposed once (to 16 keys
 // per vector) and shared by every query row, so no row pays a horizontal reduction per key.
+template <bool L2_PREFETCH>
 void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d,
                     int64_t l0, int64_t n, float* scores) {
   const int64_t pairs = d / 2;
@@ -417,7 +431,7 @@ void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int6
   for (int64_t lt = 0; lt < n; lt += 16) {
     const int64_t nk = std::min<int64_t>(16, n - lt);
     for (int64_t j = lt + kKeysAhead; j < std::min<int64_t>(n, lt + kKeysAhead + 16); ++j)
-      prefetch_row(k + (l0 + j) * k_stride, d);
+      prefetch_row<L2_PREFETCH>(k + (l0 + j) * k_stride, d);
     for (int64_t c = 0; c < pairs / 16; ++c) {
       __m512i tile[16];
       for (int j = 0; j < 16; ++j)
@@ -446,7 +460,7 @@ void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int6
 // One block of NR query rows x NV * 16 dims of P V (bf16 dot products over key pairs). The
 // sizes are compile-time so the NR x NV accumulators stay in registers. p_pairs [NR rows of
 // num_pairs]; a row stops at its own last key pair (row_pairs), every row sees pairs_all.
-template <int NR, int NV>
+template <int NR, int NV, bool L2_PREFETCH>
 __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int64_t num_pairs,
                                                     const int64_t* row_pairs, int64_t pairs_all, int64_t pairs_any,
                                                     const at::BFloat16* v, int64_t v_stride, int64_t n,
@@ -460,7 +474,7 @@ __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int
   for (int64_t j = 0; j < pairs_any; ++j) {
     const at::BFloat16* va = v + 2 * j * v_stride;
     if (2 * j + kKeysAhead + 1 < n)  // this block's dims of the two rows kKeysAhead keys on
-      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row(va + r * v_stride, 16 * NV);
+      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row<L2_PREFETCH>(va + r * v_stride, 16 * NV);
     const bool has_b = 2 * j + 1 < n;
     __m512i vv[NV];  // dims 16i..16i+15 of keys 2j and 2j+1, interleaved
     for (int h = 0; h < NV / 2; ++h) {
@@ -480,16 +494,18 @@ __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * d + 16 * i, acc[r][i]);
 }
 
-template <int NV>
+template <int NV, bool L2_PREFETCH>
 void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* row_pairs, int64_t pairs_all,
              int64_t pairs_any, const at::BFloat16* v, int64_t v_stride, int64_t n, float* out, int64_t d) {
   switch (nr) {
-    case 1: pv_block<1, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 2: pv_block<2, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 3: pv_block<3, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 4: pv_block<4, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 5: pv_block<5, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    default: pv_block<6, NV>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    default:
+      pv_block<6, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
   }
 }
 
@@ -498,6 +514,7 @@ void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* r
 // Two V rows are interleaved once (16 dims x 2 keys per vector) and feed up to 6 query rows,
 // 64 dims at a time. A row stops at its own last key pair; an odd last key is paired with a
 // zero row.
+template <bool L2_PREFETCH>
 void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, int64_t v_stride, int64_t rows,
              int64_t d, int64_t l0, int64_t n, const int64_t* num_keys, float* acc_out) {
   std::vector<int64_t> row_pairs(rows);
@@ -515,16 +532,18 @@ void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, 
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       float* out = acc_out + r0 * d + c0;
       if (d - c0 >= 64)
-        pv_rows<4>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n, out, d);
+        pv_rows<4, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
+                                out, d);
       else  // d % 32 == 0 on this path: a last 32 dims
-        pv_rows<2>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n, out, d);
+        pv_rows<2, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
+                                out, d);
     }
   }
 }
 
 // One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
 // keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
-template <typename T>
+template <typename T, bool L2_PREFETCH>
 void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T* k, const T* v, int64_t k_stride,
                   int64_t v_stride, int64_t rows, int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys,
                   float* max_out, float* sum_out, float* acc_out) {
@@ -533,7 +552,7 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   const int64_t vecs = d / 16;
   const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (is_bf16) qk_scores_bf16(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
+    if (is_bf16) qk_scores_bf16<L2_PREFETCH>(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
   }
   if (!is_bf16) qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
   // bf16 path: probabilities rounded to bf16 and packed in key pairs for pv_bf16, zero past
@@ -566,8 +585,8 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   }
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (is_bf16) {
-      pv_bf16(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, v_stride, rows, d, l0, n, num_keys,
-              acc_out);
+      pv_bf16<L2_PREFETCH>(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, v_stride, rows, d, l0,
+                           n, num_keys, acc_out);
       return;
     }
   }
@@ -693,14 +712,18 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
     if (k.scalar_type() == at::kFloat) {
       const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
       const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-      attend_split(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
+      attend_split<float, false>(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
     } else {
       const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
       const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
       const uint32_t* pairs = p.is_bf16_dot
           ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-      attend_split(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so,
-                   ao);
+      if (prefers_l2_key_prefetch())
+        attend_split<at::BFloat16, true>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
+                                         num_keys.data(), mo, so, ao);
+      else
+        attend_split<at::BFloat16, false>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
+                                          num_keys.data(), mo, so, ao);
     }
   }
 }
