@@ -214,6 +214,7 @@ class Projection {
     const int64_t n = lin.out_features();
     if (!out_.defined() || out_.size(0) != rows || out_.size(1) != n || out_.scalar_type() != options.dtype())
       out_ = torch::empty({rows, n}, options);
+    for (auto& leaf : leaves_) leaf.args = fastdraft::woq_tiles_args(leaf.lin->woq, out_, leaf.col0);
     has_bias_ = false;
     for (const auto& leaf : leaves_) has_bias_ = has_bias_ || leaf.lin->bias.defined();
     initial_shares(leaves_, num_threads, shares_);
@@ -255,7 +256,7 @@ class Projection {
         const int64_t n = leaf.lin->woq.num_tiles();
         const int64_t t0 = std::clamp<int64_t>(begin - leaf.first_tile, 0, n);
         const int64_t t1 = std::clamp<int64_t>(end - leaf.first_tile, 0, n);
-        if (t0 < t1) fastdraft::woq_tiles(leaf.lin->woq, acts_[leaf.act], out_, leaf.col0, t0, t1);
+        if (t0 < t1) fastdraft::woq_tiles(leaf.args, acts_[leaf.act], t0, t1);
       }
     });
   }
@@ -278,6 +279,7 @@ class Projection {
     int64_t col0;
     int act;  // index of its activations in acts_
     int64_t first_tile = 0;  // in the numbering across leaves
+    fastdraft::WoqTilesArgs args;  // its weight and output columns
   };
 
   // The leaves of lin, their columns and their tiles numbered across leaves.
