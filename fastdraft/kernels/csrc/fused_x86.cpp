@@ -498,11 +498,16 @@ template <int NV, bool L2_PREFETCH>
 void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* row_pairs, int64_t pairs_all,
              int64_t pairs_any, const at::BFloat16* v, int64_t v_stride, int64_t n, float* out, int64_t d) {
   switch (nr) {
-    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
-    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d); break;
+    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
+    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
+    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
+    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
+    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      break;
     default:
       pv_block<6, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
       break;
@@ -712,7 +717,8 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
     if (k.scalar_type() == at::kFloat) {
       const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
       const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-      attend_split<float, false>(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(), mo, so, ao);
+      attend_split<float, false>(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(),
+                                 mo, so, ao);
     } else {
       const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
       const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);

@@ -217,8 +217,8 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
 
 // tile_kernel with or without software prefetch, as chosen for ROWS rows. The choice is a
 // template argument: a run-time branch in the inner loop made gcc copy accumulators between
-// registers on every chunk. Together with dpbusd's asm: cache-hot INT4 GEMVs 1.28-1.43x faster at 1 row,
-// 1.04-1.21x at 2 (2 threads, Zen 4).
+// registers on every chunk. Together with dpbusd's asm: cache-hot INT4 GEMVs 1.28-1.43x faster
+// at 1 row, 1.04-1.21x at 2 (2 threads, Zen 4).
 template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
@@ -247,8 +247,8 @@ void tile_rows(int rows, const uint8_t* w, const at::Half* s, Zeros z, float zc,
 // Tiles [t0, t1) of out [M, ldo] = x W^T (N = n output columns). Never inlined: inlined into
 // its caller, the 1-row INT4 loop compiled differently and whole 1.5B decode steps ran 0.945x.
 template <int BITS, bool ASYM, typename T>
-__attribute__((noinline)) void gemm_tiles(const Activations& a, const uint8_t* w, const at::Half* s, Zeros z, float zc, int64_t n, T* out,
-                int64_t ldo, int64_t t0, int64_t t1) {
+__attribute__((noinline)) void gemm_tiles(const Activations& a, const uint8_t* w, const at::Half* s, Zeros z, float zc,
+                                          int64_t n, T* out, int64_t ldo, int64_t t0, int64_t t1) {
   const int64_t tile_bytes = a.k_pad * BITS / 8 * kTile;
   const int64_t bpg = a.group / a.block;
   for (int64_t t = t0; t < t1; ++t) {
