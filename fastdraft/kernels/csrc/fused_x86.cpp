@@ -336,11 +336,6 @@ constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results
 // 5-token verification 0.995x/1.026x (1.5B), 1.03x/1.011x (0.5B).
 constexpr int64_t kKeysAhead = 32;
 
-bool prefers_l2_key_prefetch() {
-  static const bool is_amd = __builtin_cpu_is("amd");
-  return is_amd;
-}
-
 // Prefetch `count` bf16 values from p into L1 (L2_PREFETCH: into L2). The choice is a template
 // argument down the attention's call chain: a run-time branch here made the attention 10-20%
 // slower.
@@ -724,7 +719,7 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
       const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
       const uint32_t* pairs = p.is_bf16_dot
           ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-      if (prefers_l2_key_prefetch())
+      if (fastdraft::is_amd_cpu())  // into L2 there, see kKeysAhead
         attend_split<at::BFloat16, true>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
                                          num_keys.data(), mo, so, ao);
       else

@@ -43,11 +43,6 @@ constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight ti
 constexpr int kPrefetchBytes = 32768;  // into L2
 constexpr int kNoPrefetchMaxRows = 2;
 
-bool skips_small_prefetch() {
-  static const bool is_amd = __builtin_cpu_is("amd");
-  return is_amd;
-}
-
 // acc += u8 x s8 dot products (vpdpbusd), accumulated in place. With the intrinsic, gcc copied
 // accumulators to other registers and back around each vpdpbusd (up to two zmm moves per
 // vpdpbusd); the asm ties input and output to one register. Cache-hot, 2 threads: INT8 at
@@ -223,7 +218,7 @@ template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
   if constexpr (ROWS <= kNoPrefetchMaxRows) {
-    if (skips_small_prefetch())
+    if (fastdraft::is_amd_cpu())
       return tile_kernel<BITS, ROWS, ASYM, false>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
   }
   tile_kernel<BITS, ROWS, ASYM, true>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
@@ -354,11 +349,6 @@ void fastdraft::woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_
   else run(static_cast<at::BFloat16*>(args.out));
 }
 
-void fastdraft::woq_tiles(const WoqWeight& w, const Activations& a, const torch::Tensor& out, int64_t col0,
-                          int64_t t0, int64_t t1) {
-  woq_tiles(woq_tiles_args(w, out, col0), a, t0, t1);
-}
-
 // y [M, N] = x [M, K] @ W^T for a repacked INT4/INT8 weight; x is float32 or bfloat16.
 torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
                          int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const) {
@@ -372,7 +362,8 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   if (m == 0) return out;
   Activations a;
   fastdraft::quantize_activations(x, k_pad, block, group, a);
-  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) { fastdraft::woq_tiles(w, a, out, 0, t0, t1); });
+  const fastdraft::WoqTilesArgs args = fastdraft::woq_tiles_args(w, out, 0);
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) { fastdraft::woq_tiles(args, a, t0, t1); });
   return out;
 }
 

@@ -35,6 +35,12 @@ struct WoqWeight {
   const uint8_t* tile(int64_t t) const { return packed.data_ptr<uint8_t>() + t * tile_bytes(); }
 };
 
+// Whether the CPU is AMD's: a few prefetch choices differ there (woq_x86.cpp, fused_x86.cpp).
+inline bool is_amd_cpu() {
+  static const bool is_amd = __builtin_cpu_is("amd");
+  return is_amd;
+}
+
 // TORCH_CHECKs the weight's dtypes, layout and sizes.
 void check_woq_weight(const WoqWeight& w);
 // x [M, K <= k_pad] (float32 or bfloat16, contiguous) -> a.
@@ -43,13 +49,10 @@ void quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, 
 // then fill columns [c0, c1) of x (multiples of the group; c1 may be k_pad, past K).
 void size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a);
 void quantize_activation_columns(const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
-// Output tiles [t0, t1) (16 columns each) of y = x W^T, written to out [M, ldo] (x's dtype) at
-// column col0 + 16 t. Every tile's arithmetic is the same whichever thread runs it.
-void woq_tiles(const WoqWeight& w, const Activations& a, const torch::Tensor& out, int64_t col0, int64_t t0,
-               int64_t t1);
-// The same with the weight's and output's raw pointers resolved once (woq_tiles_args): resolving
-// them from the tensors on every claimed chunk cost ~2.5% of a 1.5B decode step (profile).
-// Whole INT4 decode steps, interleaved: 1.5B 1.031x, 0.5B 1.050x (5 tokens: 1.012x, 1.013x).
+// A weight and the output columns it writes, as raw pointers resolved once (woq_tiles_args):
+// resolving them from the tensors on every claimed chunk cost ~2.5% of a 1.5B decode step
+// (profile). Whole INT4 decode steps, interleaved: 1.5B 1.031x, 0.5B 1.050x (5 tokens:
+// 1.012x, 1.013x).
 struct WoqTilesArgs {
   const uint8_t* packed = nullptr;
   const at::Half* scales = nullptr;
@@ -60,7 +63,10 @@ struct WoqTilesArgs {
   void* out = nullptr;  // out + col0, float or bfloat16
   bool is_float_out = false;
 };
+// w writing out [M, ldo] (x's dtype) from column col0 on.
 WoqTilesArgs woq_tiles_args(const WoqWeight& w, const torch::Tensor& out, int64_t col0);
+// Output tiles [t0, t1) (16 columns each) of y = x W^T, written at column col0 + 16 t. Every
+// tile's arithmetic is the same whichever thread runs it.
 void woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_t t0, int64_t t1);
 
 // x[:, col0 + b0 : col0 + b1] += bias[b0 : b1] in place (b1 < 0: to the end), rounded to
