@@ -5,7 +5,10 @@ calibration and from the draft vocabulary's ranking), ``--new-tokens`` new
 tokens (EOS ignored), greedy and temperature 0.7. Scenarios:
 
 * ``self``: the target in bf16, drafted by its own INT4 copy (``speculative=True``).
-* ``draft``: INT4 target drafted by a smaller INT4 model of the same tokenizer.
+* ``draft``: INT4 target drafted by a smaller INT4 model of the same tokenizer. The target is
+  quantized as ``--target-quant`` says: by default RTN INT4 g32, as ``load_in_low_bit="sym_int4"``
+  does (ipex-llm's groups of 32); ``--target-quant method=rtn,group_size=128`` is the
+  configuration ``bench_latency.py`` measures.
 
 For each: plain and speculative time per output token (median of ``--repeats`` rounds; a
 sampled round pools ``--seeds`` seeds, since one trajectory's acceptance varies a lot), the
@@ -29,7 +32,9 @@ from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.fileio import write_json
 from fastdraft.models.loader import load_model
+from fastdraft.quant.config import QuantConfig, parse_quant_spec
 from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root
+from fastdraft.quant.quantizer import quantize_model
 from fastdraft.spec.config import SpeculativeConfig
 from fastdraft.spec.decoding import SpecMetrics
 
@@ -89,9 +94,16 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     return summary["plain"], summary["spec"]
 
 
-def scenario(name: str, target_name: str, target_low_bit: str | None, spec: SpeculativeConfig,
+def quant_label(config: QuantConfig) -> str:
+    group = "per channel" if config.group_size == -1 else f"g{config.group_size}"
+    return f"{config.method.upper()} INT{config.bits} {group}{'' if config.sym else ' asym'}"
+
+
+def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec: SpeculativeConfig,
              args: argparse.Namespace) -> list[dict]:
-    target = load_model(target_name, dtype="bf16", load_in_low_bit=target_low_bit, device=args.device)
+    target = load_model(target_name, dtype="bf16", device=args.device)
+    if target_quant is not None:
+        quantize_model(target.model, target_quant, show_progress=False)
     ids = prompt_ids(target.tokenizer, args.prompt_tokens)
     max_len = args.prompt_tokens + args.new_tokens + 16
     plain = TextGenerator(target, max_seq_len=max_len)
@@ -103,7 +115,8 @@ def scenario(name: str, target_name: str, target_low_bit: str | None, spec: Spec
                                       ignore_eos=True) for seed in seeds]
         base, fast = run_pair(plain, spec_gen, ids, params_list, args.repeats)
         where = "" if args.device == "cpu" else f" on {args.device}, draft on {spec.draft_device or args.device}"
-        row = {"scenario": name, "target": f"{target_name} ({target_low_bit or 'bf16'}){where}", "draft": spec.draft,
+        label = quant_label(target_quant) if target_quant is not None else "bf16"
+        row = {"scenario": name, "target": f"{target_name} ({label}){where}", "draft": spec.draft,
                "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
@@ -141,8 +154,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the target's device (e.g. cuda)")
     parser.add_argument("--draft-device", default=None,
                         help="the draft's device; default the target's (e.g. cpu beside a cuda target)")
+    parser.add_argument("--target-quant", default="method=rtn,group_size=32",
+                        help="how the draft scenario quantizes its target (key=value,... as in bench_latency.py's "
+                             "--quant); the draft is quantized as SpeculativeConfig says")
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()
+    try:
+        target_quant = parse_quant_spec(args.target_quant)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(args.threads)
     print(f"1-minute load average before the run: {os.getloadavg()[0]:.1f} (timings need an idle machine)")
     print("\n| scenario | target | draft | T | seeds | plain ms/tok | spec ms/tok | speedup | greedy identical | "
@@ -156,8 +176,7 @@ def main() -> None:
                                                                   draft_device=args.draft_device), args)
         else:
             spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k, draft_device=args.draft_device)
-            # The draft is loaded in the target's precision; quantize it like the target.
-            rows += scenario("draft", args.target, "sym_int4", spec, args)
+            rows += scenario("draft", args.target, target_quant, spec, args)
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"\nresults written to {args.json}")
 
