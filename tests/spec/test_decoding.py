@@ -406,6 +406,24 @@ def test_step_costs_are_measured_at_the_given_context(target):
         measure_step_costs(target.model, proposer, 3, context_len=0)
 
 
+def test_step_costs_are_median_ratios_to_the_same_rounds_plain_step(target, monkeypatch):
+    """Each round is timed against its own plain step. Here the memory state turns slow (every
+    pass 2x) right after the first plain step and stays slow: the fastest time of each pass
+    would pair that one fast plain step with slow verification and draft steps (2.2, 0.6)."""
+    import fastdraft.spec.draft_length as draft_length
+
+    cache = KVCache.from_config(target.config, 64, dtype=target.model.dtype)
+    proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=1), target, cache)
+    # Per round, seconds for: plain step, 2-token verification, draft step.
+    rounds = [(1.0, 2.2, 0.6), (2.0, 2.2, 0.6), (2.0, 2.2, 0.6)]
+    clock = iter([t for r in rounds for duration in r for t in (0.0, duration)])
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: next(clock))
+    costs = measure_step_costs(target.model, proposer, 1, context_len=8, repeats=len(rounds))
+    assert costs.verify == [1.0, pytest.approx(1.1)] and costs.draft == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="repeats"):
+        measure_step_costs(target.model, proposer, 1, repeats=0)
+
+
 def test_step_costs_are_measured_once_per_range_of_prompt_lengths(target, monkeypatch):
     cache = KVCache.from_config(target.config, 256, dtype=target.model.dtype)
     proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=3), target, cache)
