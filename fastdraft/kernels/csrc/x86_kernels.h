@@ -15,7 +15,8 @@ namespace fastdraft {
 struct Activations {
   std::vector<int8_t> q;     // [M, k_pad]
   std::vector<float> scale;  // [M, num_blocks]
-  std::vector<float> corr;   // [M, num_groups]
+  std::vector<float> corr;   // [M, num_groups]: sum over the group's blocks of d_b * sum(xq_b)
+  std::vector<int32_t> qsum; // [M, num_blocks]: sum(xq_b)
   int64_t rows = 0, k_pad = 0, block = 0, group = 0, num_blocks = 0, num_groups = 0;
 
   bool matches(int64_t k_pad_, int64_t block_, int64_t group_) const {
