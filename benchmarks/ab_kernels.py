@@ -31,6 +31,8 @@ import fastdraft.kernels.x86 as x86
 import fastdraft.models.fused_decoder as fused_decoder
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.loader import load_model
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quantizer import quantize_model
 
 # Modules that bound ``load_x86_extension`` by name: pointed at one build at a time.
 _LOADER_USERS = (x86, fused, fused_decoder)
@@ -48,7 +50,12 @@ def load_with(ext: ModuleType, args: argparse.Namespace):
     """The model quantized and its first decode step run with ``ext``; -> (model, cache)."""
     for module in _LOADER_USERS:
         module.load_x86_extension = lambda ext=ext: ext
-    loaded = load_model(args.model, dtype="bf16", load_in_low_bit=args.low_bit)
+    if args.group_size == 32:
+        loaded = load_model(args.model, dtype="bf16", load_in_low_bit=args.low_bit)
+    else:  # load_in_low_bit quantizes in groups of 32
+        loaded = load_model(args.model, dtype="bf16")
+        quantize_model(loaded.model, QuantConfig.from_low_bit(args.low_bit, group_size=args.group_size),
+                       show_progress=False)
     model = loaded.model
     cache = KVCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
     model(torch.randint(0, 10000, (1, args.context)), cache, cache.append(args.context))
@@ -65,6 +72,7 @@ def main() -> None:
     parser.add_argument("b", type=Path, help="folder with build B's sources")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--low-bit", default="sym_int4", help="load_in_low_bit for both (default sym_int4)")
+    parser.add_argument("--group-size", type=int, default=32, help="INT4 group size (default 32, as load_in_low_bit)")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens before each pass")
     parser.add_argument("--tokens", default="1,5", help="comma-separated tokens per pass (decode, verification)")
     parser.add_argument("--rounds", type=int, default=12)
@@ -85,7 +93,7 @@ def main() -> None:
                     model(step, cache, cache.append(n))
                     samples.append(time.perf_counter() - start)
                 times[(i, n)].append(statistics.median(samples))
-    print(f"{args.model} ({args.low_bit}), {args.context} cached tokens, {args.rounds} interleaved rounds")
+    print(f"{args.model} ({args.low_bit}, groups of {args.group_size}), {args.context} cached tokens, {args.rounds} interleaved rounds")
     for n in args.tokens:
         a, b = times[(0, n)], times[(1, n)]
         ratio = statistics.median(x / y for x, y in zip(a, b))

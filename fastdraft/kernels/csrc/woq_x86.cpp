@@ -136,18 +136,30 @@ void quantize_row(const T* x, int64_t k, int64_t block, int64_t blocks_per_group
   }
 }
 
-// One weight tile (16 output rows) against ROWS activation rows.
-template <int BITS, int ROWS, bool ASYM, bool PREFETCH, typename T>
+constexpr int kUnroll = 2;  // chunks per step of tile_kernel's inner loop
+
+// Independent int32 accumulator chains per row hide vpdpbusd latency when rows are few;
+// with many rows the rows themselves are independent and registers are scarce. Two chains
+// up to 6 rows (5-row verification: 1.2x faster than one chain in cache, measured); at 7-8
+// rows the extra accumulators spill. Integer sums are exact, so the chain count never changes
+// results.
+template <int BITS, int ROWS>
+constexpr int default_chains() {
+  constexpr int steps = (BITS == 4 ? 2 : 1) * kUnroll;  // vpdpbusd per row per unrolled step
+  return ROWS <= 2 ? steps : (ROWS <= 6 ? 2 : 1);
+}
+// On AMD Zen 4, from 5 rows five independent rows cover vpdpbusd's latency, and merging a
+// second chain costs a vpaddd per row and block: whole 1.5B verification passes (1024 cached
+// tokens, 11 interleaved rounds) with one chain at 5 rows 1.031x and 1.046x (g32), 1.018x
+// (g128); at 3-4 rows 0.96-1.02x, so those keep two.
+constexpr int kAmdOneChainMinRows = 5;
+
+// One weight tile (16 output rows) against ROWS activation rows, CHAINS accumulators per row.
+template <int BITS, int ROWS, bool ASYM, bool PREFETCH, int CHAINS, typename T>
 void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float zero_const,
                  const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
                  T* out, int64_t ldo, __mmask16 out_mask) {
-  // Independent int32 accumulator chains per row hide vpdpbusd latency when rows are few;
-  // with many rows the rows themselves are independent and registers are scarce. Two chains
-  // up to 6 rows (5-row verification: 1.2x faster than one chain, measured); at 7-8 rows the
-  // extra accumulators spill. Integer sums are exact, so the chain count never changes results.
-  constexpr int kUnroll = 2;
-  constexpr int kSteps = (BITS == 4 ? 2 : 1) * kUnroll;  // vpdpbusd per row per unrolled step
-  constexpr int kChains = ROWS <= 2 ? kSteps : (ROWS <= 6 ? 2 : 1);
+  constexpr int kChains = CHAINS;
   const int64_t chunk_k = BITS == 4 ? 8 : 4;
   const int64_t chunks_per_block = block / chunk_k;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -221,18 +233,23 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
   for (int r = 0; r < ROWS; ++r) store16(out + (m0 + r) * ldo, acc[r], out_mask);
 }
 
-// tile_kernel with or without software prefetch, as chosen for ROWS rows. The choice is a
-// template argument: a run-time branch in the inner loop made gcc copy accumulators between
-// registers on every chunk. Together with dpbusd's asm: cache-hot INT4 GEMVs 1.28-1.43x faster
-// at 1 row, 1.04-1.21x at 2 (2 threads, Zen 4).
+// tile_kernel with or without software prefetch, and with its chains, as chosen for ROWS
+// rows and the CPU. The choices are template arguments: a run-time branch in the inner loop
+// made gcc copy accumulators between registers on every chunk. Together with dpbusd's asm:
+// cache-hot INT4 GEMVs 1.28-1.43x faster at 1 row, 1.04-1.21x at 2 (2 threads, Zen 4).
 template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
+  constexpr int kChains = default_chains<BITS, ROWS>();
   if constexpr (ROWS <= kNoPrefetchMaxRows) {
     if (fastdraft::is_amd_cpu())
-      return tile_kernel<BITS, ROWS, ASYM, false>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+      return tile_kernel<BITS, ROWS, ASYM, false, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
   }
-  tile_kernel<BITS, ROWS, ASYM, true>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+  if constexpr (ROWS >= kAmdOneChainMinRows && kChains > 1) {
+    if (fastdraft::is_amd_cpu())
+      return tile_kernel<BITS, ROWS, ASYM, true, 1>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+  }
+  tile_kernel<BITS, ROWS, ASYM, true, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
 }
 
 template <int BITS, bool ASYM, typename T>
