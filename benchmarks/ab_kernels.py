@@ -31,7 +31,7 @@ import fastdraft.kernels.x86 as x86
 import fastdraft.models.fused_decoder as fused_decoder
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.loader import load_model
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 
 # Modules that bound ``load_x86_extension`` by name: pointed at one build at a time.
@@ -50,12 +50,10 @@ def load_with(ext: ModuleType, args: argparse.Namespace):
     """The model quantized and its first decode step run with ``ext``; -> (model, cache)."""
     for module in _LOADER_USERS:
         module.load_x86_extension = lambda ext=ext: ext
-    if args.group_size == 32:
-        loaded = load_model(args.model, dtype="bf16", load_in_low_bit=args.low_bit)
-    else:  # load_in_low_bit quantizes in groups of 32
-        loaded = load_model(args.model, dtype="bf16")
-        quantize_model(loaded.model, QuantConfig.from_low_bit(args.low_bit, group_size=args.group_size),
-                       show_progress=False)
+    # load_in_low_bit's quantization, with the group size asked for (load_in_low_bit's is 32).
+    loaded = load_model(args.model, dtype="bf16" if args.quant is not None else args.low_bit)
+    if args.quant is not None:
+        quantize_model(loaded.model, args.quant, show_progress=False)
     model = loaded.model
     cache = KVCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
     model(torch.randint(0, 10000, (1, args.context)), cache, cache.append(args.context))
@@ -71,7 +69,8 @@ def main() -> None:
     parser.add_argument("a", type=Path, help="folder with build A's sources (the baseline)")
     parser.add_argument("b", type=Path, help="folder with build B's sources")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--low-bit", default="sym_int4", help="load_in_low_bit for both (default sym_int4)")
+    parser.add_argument("--low-bit", default="sym_int4", choices=LOW_BIT_NAMES,
+                        help="load_in_low_bit for both (default sym_int4)")
     parser.add_argument("--group-size", type=int, default=32, help="INT4 group size (default 32, as load_in_low_bit)")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens before each pass")
     parser.add_argument("--tokens", default="1,5", help="comma-separated tokens per pass (decode, verification)")
@@ -79,6 +78,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="passes timed per round (median)")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    is_dense = args.low_bit in ("bf16", "fp32")
+    args.quant = None if is_dense else QuantConfig.from_low_bit(args.low_bit, group_size=args.group_size)
     torch.set_grad_enabled(False)
     systems = [load_with(build_from(folder), args) for folder in (args.a, args.b)]
     times: dict[tuple[int, int], list[float]] = {(i, n): [] for i in range(2) for n in args.tokens}

@@ -94,11 +94,6 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     return summary["plain"], summary["spec"]
 
 
-def quant_label(config: QuantConfig) -> str:
-    group = "per channel" if config.group_size == -1 else f"g{config.group_size}"
-    return f"{config.method.upper()} INT{config.bits} {group}{'' if config.sym else ' asym'}"
-
-
 def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec: SpeculativeConfig,
              args: argparse.Namespace) -> list[dict]:
     target = load_model(target_name, dtype="bf16", device=args.device)
@@ -115,7 +110,7 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
                                       ignore_eos=True) for seed in seeds]
         base, fast = run_pair(plain, spec_gen, ids, params_list, args.repeats)
         where = "" if args.device == "cpu" else f" on {args.device}, draft on {spec.draft_device or args.device}"
-        label = quant_label(target_quant) if target_quant is not None else "bf16"
+        label = target_quant.label if target_quant is not None else "bf16"
         row = {"scenario": name, "target": f"{target_name} ({label}){where}", "draft": spec.draft,
                "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
