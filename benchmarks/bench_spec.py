@@ -23,20 +23,24 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from fastdraft.engine.generate import TextGenerator
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.fileio import write_json
-from fastdraft.models.loader import load_model
-from fastdraft.quant.config import QuantConfig, parse_quant_spec
-from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root
-from fastdraft.quant.quantizer import quantize_model
-from fastdraft.spec.config import SpeculativeConfig
-from fastdraft.spec.decoding import SpecMetrics
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_latency import measure_bandwidth  # noqa: E402
+
+from fastdraft.engine.generate import TextGenerator  # noqa: E402
+from fastdraft.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdraft.fileio import write_json  # noqa: E402
+from fastdraft.models.loader import load_model  # noqa: E402
+from fastdraft.quant.config import QuantConfig, parse_quant_spec  # noqa: E402
+from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root  # noqa: E402
+from fastdraft.quant.quantizer import quantize_model  # noqa: E402
+from fastdraft.spec.config import SpeculativeConfig  # noqa: E402
+from fastdraft.spec.decoding import SpecMetrics  # noqa: E402
 
 PROMPT_FILE = EVAL_CODE_FILES[0]  # argparse.py
 
@@ -65,25 +69,37 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     """Plain and speculative runs alternated, ``repeats`` rounds over every ``params`` (one per
     seed): this machine's bandwidth drifts within minutes, so back-to-back blocks would compare
     different machines. A round's time per token pools its seeds (each seed is a different
-    trajectory with its own acceptance); the median round is reported."""
+    trajectory with its own acceptance); the median round is reported.
+
+    Each plain/speculative pair is printed with the memory bandwidth measured just before it:
+    on this VM's fast memory state a 1-token step speeds up much more than a multi-token
+    verification (which is then bound by arithmetic), so the speedup depends on the state."""
     for generator in (plain, spec):
         generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     rounds: dict[str, list[float]] = {"plain": [], "spec": []}
     first: dict[str, list[dict]] = {"plain": [], "spec": []}
+    bandwidths: list[float] = []
     for i in range(repeats):
         times = {"plain": [0.0, 0], "spec": [0.0, 0]}
         for params in params_list:
+            bandwidths.append(measure_bandwidth(gib=0.25, repeats=3) / 1e9)
+            pair = {}
             for name, generator in (("plain", plain), ("spec", spec)):
                 r = one_run(generator, ids, params)
                 times[name][0] += r["decode_s"]
                 times[name][1] += r["num_decoded"]
+                pair[name] = r["decode_s"] / r["num_decoded"] * 1e3
                 if i == 0:
                     first[name].append(r)
+            print(f"  round {i + 1}, T={params.temperature}, seed {params.seed}: {bandwidths[-1]:.0f} GB/s, plain "
+                  f"{pair['plain']:.1f} ms/tok, spec {pair['spec']:.1f} ms/tok "
+                  f"({pair['plain'] / pair['spec']:.2f}x)", flush=True)
         for name, (seconds, num_decoded) in times.items():
             rounds[name].append(seconds / num_decoded * 1e3)
     summary = {}
     for name, ms in rounds.items():
-        best = {"ms_per_token": statistics.median(ms), "tokens": [r["tokens"] for r in first[name]]}
+        best = {"ms_per_token": statistics.median(ms), "tokens": [r["tokens"] for r in first[name]],
+                "bandwidth_gbs": statistics.median(bandwidths)}
         if first[name][0]["spec"] is not None:
             stats = SpecMetrics()
             for r in first[name]:  # seeded runs repeat exactly: the first round's figures are every round's
@@ -115,19 +131,24 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
                "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
+               "bandwidth_gbs": base["bandwidth_gbs"],
                **{k: fast[k] for k in ("acceptance_rate", "mean_accepted_length", "per_position", "num_plain_steps")}}
         rows.append(row)
-        print_row(row)
     del plain, spec_gen, target
     gc.collect()
     return rows
+
+
+TABLE_HEADER = ("| scenario | target | draft | T | seeds | median BW GB/s | plain ms/tok | spec ms/tok | speedup | "
+                "greedy identical | acceptance | mean accepted len | per-position acceptance |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(r: dict) -> None:
     same = "" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "NO")
     per_pos = " ".join(f"{a:.2f}" for a in r["per_position"])
     print(f"| {r['scenario']} | {r['target']} | {r['draft']} | {r['temperature']} | {r['num_seeds']} | "
-          f"{r['plain_ms_per_token']:.1f} | "
+          f"{r['bandwidth_gbs']:.0f} | {r['plain_ms_per_token']:.1f} | "
           f"{r['spec_ms_per_token']:.1f} | {r['speedup']:.2f}x | {same} | {r['acceptance_rate'] * 100:.1f}% | "
           f"{r['mean_accepted_length']:.2f} | {per_pos} |", flush=True)
 
@@ -160,9 +181,6 @@ def main() -> None:
         parser.error(str(exc))
     torch.set_num_threads(args.threads)
     print(f"1-minute load average before the run: {os.getloadavg()[0]:.1f} (timings need an idle machine)")
-    print("\n| scenario | target | draft | T | seeds | plain ms/tok | spec ms/tok | speedup | greedy identical | "
-          "acceptance | mean accepted len | per-position acceptance |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     k = args.num_speculative_tokens
     for name in args.scenario or ["self", "draft"]:
@@ -172,6 +190,9 @@ def main() -> None:
         else:
             spec = SpeculativeConfig(draft=args.draft, num_speculative_tokens=k, draft_device=args.draft_device)
             rows += scenario("draft", args.target, target_quant, spec, args)
+    print(f"\n{TABLE_HEADER}")
+    for row in rows:
+        print_row(row)
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"\nresults written to {args.json}")
 
