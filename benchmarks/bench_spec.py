@@ -65,7 +65,7 @@ def one_run(generator: TextGenerator, ids: list[int], params: SamplingParams) ->
 
 
 def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_list: list[SamplingParams],
-             repeats: int) -> tuple[dict, dict]:
+             repeats: int) -> tuple[dict, dict, float]:
     """Plain and speculative runs alternated, ``repeats`` rounds over every ``params`` (one per
     seed): this machine's bandwidth drifts within minutes, so back-to-back blocks would compare
     different machines. A round's time per token pools its seeds (each seed is a different
@@ -73,7 +73,8 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
 
     Each plain/speculative pair is printed with the memory bandwidth measured just before it:
     on this VM's fast memory state a 1-token step speeds up much more than a multi-token
-    verification (which is then bound by arithmetic), so the speedup depends on the state."""
+    verification (which is then bound by arithmetic), so the speedup depends on the state.
+    Returns the plain and speculative summaries and the median bandwidth probe (GB/s)."""
     for generator in (plain, spec):
         generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     rounds: dict[str, list[float]] = {"plain": [], "spec": []}
@@ -98,8 +99,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
             rounds[name].append(seconds / num_decoded * 1e3)
     summary = {}
     for name, ms in rounds.items():
-        best = {"ms_per_token": statistics.median(ms), "tokens": [r["tokens"] for r in first[name]],
-                "bandwidth_gbs": statistics.median(bandwidths)}
+        best = {"ms_per_token": statistics.median(ms), "tokens": [r["tokens"] for r in first[name]]}
         if first[name][0]["spec"] is not None:
             stats = SpecMetrics()
             for r in first[name]:  # seeded runs repeat exactly: the first round's figures are every round's
@@ -107,7 +107,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
             best.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
                         per_position=stats.per_position_acceptance, num_plain_steps=stats.num_plain_steps)
         summary[name] = best
-    return summary["plain"], summary["spec"]
+    return summary["plain"], summary["spec"], statistics.median(bandwidths)
 
 
 def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec: SpeculativeConfig,
@@ -124,14 +124,14 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
         seeds = range(1 if temperature == 0 else args.seeds)
         params_list = [SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=seed,
                                       ignore_eos=True) for seed in seeds]
-        base, fast = run_pair(plain, spec_gen, ids, params_list, args.repeats)
+        base, fast, bandwidth_gbs = run_pair(plain, spec_gen, ids, params_list, args.repeats)
         where = "" if args.device == "cpu" else f" on {args.device}, draft on {spec.draft_device or args.device}"
         label = target_quant.label if target_quant is not None else "bf16"
         row = {"scenario": name, "target": f"{target_name} ({label}){where}", "draft": spec.draft,
                "temperature": temperature, "num_seeds": len(params_list), "plain_ms_per_token": base["ms_per_token"],
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
-               "bandwidth_gbs": base["bandwidth_gbs"],
+               "bandwidth_gbs": bandwidth_gbs,
                **{k: fast[k] for k in ("acceptance_rate", "mean_accepted_length", "per_position", "num_plain_steps")}}
         rows.append(row)
     del plain, spec_gen, target
