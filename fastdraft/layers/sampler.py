@@ -6,6 +6,7 @@ decoding can reuse it for rejection sampling.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,18 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit, [..., vocab_size] -> [...] int64: ``argmax``,
+    the first index on ties and at a NaN, as ``torch.argmax`` gives.
+
+    On the CPU, numpy's argmax over a 152k-token fp32 row takes about 15 us against 130-260 us
+    for ``torch.argmax`` (measured here), about 1% of a 1.5B decode step."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return logits.argmax(dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1]).numpy()  # [rows, vocab_size], a view
+    return torch.from_numpy(np.argmax(flat, axis=-1)).view(logits.shape[:-1])
 
 
 _CDF_BLOCK = 128  # tokens per block of the two-level search
@@ -74,5 +87,5 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy argmax or a seeded draw from the processed distribution: [..., vocab] -> ids [...]."""
     if params.is_greedy:
-        return logits.argmax(dim=-1)
+        return greedy_ids(logits)
     return sample_from_probs(logits_to_probs(logits, params), generator)

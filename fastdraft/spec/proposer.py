@@ -17,7 +17,7 @@ import torch
 
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
+from fastdraft.layers.sampler import greedy_ids, logits_to_probs, sample_from_probs
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -80,7 +80,7 @@ class DraftModelProposer:
             logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1)  # [1, draft_vocab]
             if params.is_greedy:
                 probs = None
-                next_id = logits.argmax(dim=-1)  # [1]
+                next_id = greedy_ids(logits)  # [1]
                 confidence = torch.softmax(logits, dim=-1).max() if self.min_confidence > 0 else None
             else:
                 probs = logits_to_probs(logits, params)  # [1, draft_vocab]

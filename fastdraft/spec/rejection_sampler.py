@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.layers.sampler import sample_from_probs
+from fastdraft.layers.sampler import greedy_ids, sample_from_probs
 
 
 @dataclass
@@ -39,7 +39,7 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
     the i-th input of the verification pass).
     """
     num_draft = draft_token_ids.shape[0]
-    target_ids = target_logits.argmax(dim=-1)  # [k + 1]
+    target_ids = greedy_ids(target_logits)  # [k + 1]
     matches = (draft_token_ids == target_ids[:num_draft]).int()
     num_accepted = int(matches.cumprod(dim=0).sum()) if num_draft else 0
     output = draft_token_ids[:num_accepted].tolist() + [int(target_ids[num_accepted])]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.layers.sampler import logits_to_probs, sample, sample_from_probs
+from fastdraft.layers.sampler import greedy_ids, logits_to_probs, sample, sample_from_probs
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -20,6 +20,30 @@ def test_greedy_is_argmax():
     assert torch.equal(sample(logits, SamplingParams(temperature=0.0), None), logits.argmax(-1))
     one = torch.randn(1, 50, generator=_gen(1))
     assert sample(one, SamplingParams(), _gen(3)).tolist() == [int(one.argmax())]
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 1000), (2, 3, 151936)])
+def test_greedy_ids_match_torch_argmax(shape):
+    torch.manual_seed(0)
+    logits = torch.randn(shape)
+    logits[..., 5] = logits.max() + 1.0  # a tie between positions 5 and the last: the first wins
+    logits[..., -1] = logits[..., 5]
+    with torch.inference_mode():
+        ids = greedy_ids(logits)
+    assert ids.dtype == torch.long and ids.shape == shape[:-1]
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    assert (ids == 5).all()
+
+
+def test_greedy_ids_nan_infinity_and_other_dtypes():
+    logits = torch.tensor([[float("-inf"), 1.0, float("nan"), 3.0, float("nan")],
+                           [float("-inf")] * 5, [0.0, float("inf"), 2.0, float("inf"), 1.0]])
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits).tolist() == [2, 0, 1]
+    bf16 = torch.randn(4, 300).bfloat16()  # not fp32: torch's own argmax
+    assert torch.equal(greedy_ids(bf16), bf16.argmax(dim=-1))
+    strided = torch.randn(300, 4).t()  # a non-contiguous view
+    assert torch.equal(greedy_ids(strided), strided.argmax(dim=-1))
 
 
 def test_greedy_has_no_distribution():
