@@ -9,9 +9,9 @@ linears are re-pointed at row slices of the fused weight, so no memory is duplic
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fastdraft.kernels.fused import dense_linear
 from fastdraft.quant.format import QuantizedWeight
 from fastdraft.quant.linear import QuantLinear
 
@@ -27,6 +27,20 @@ def _concat_bias(linears: list[nn.Module]) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears)])
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, state dict and hooks) whose matmul is
+    :func:`fastdraft.kernels.fused.dense_linear`: fastdraft's kernel for a few bf16 rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
+def is_dense_linear(module: object) -> bool:
+    """Whether ``module`` is a plain dense linear (``nn.Linear`` or :class:`Linear`), not a
+    quantized one or a subclass with other behaviour."""
+    return type(module) in (nn.Linear, Linear)
+
+
 class FusedLinear:
     """The fused matmul: a dense ``weight`` [sum N, K] or a weight-only ``kernel``, plus ``bias``."""
 
@@ -35,7 +49,7 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         y = self.kernel(x)
         return y if self.bias is None else y + self.bias
 
@@ -87,7 +101,7 @@ def fused_linear(owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype,
     cache = owner.__dict__.setdefault(_CACHE_ATTR, {})
     entry = cache.get(names)
     if entry is None or entry[0] != key:
-        if all(type(lin) is nn.Linear for lin in linears):
+        if all(is_dense_linear(lin) for lin in linears):
             fused = _build_dense(linears)
         elif all(isinstance(lin, QuantLinear) for lin in linears):
             fused = _build_quant(linears, dtype, device)

@@ -18,7 +18,7 @@ from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
-from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks
+from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks, is_dense_linear
 from fastdraft.quant.linear import QuantLinear
 
 # Tokens per pass for which the module path's attention makes the same decode_attention call
@@ -32,7 +32,7 @@ def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, 
     """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
     if linear is None or (isinstance(linear, nn.Module) and has_hooks(linear)):
         return None
-    if type(linear) is nn.Linear:
+    if is_dense_linear(linear):
         linear = FusedLinear(weight=linear.weight.detach(),
                              bias=None if linear.bias is None else linear.bias.detach())
     elif isinstance(linear, QuantLinear):

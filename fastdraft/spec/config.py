@@ -85,12 +85,13 @@ def _restrict_draft_head(draft: LoadedModel, config: SpeculativeConfig) -> torch
     """Shrink a dense draft head to ``config.draft_vocab_size`` frequent tokens; the kept ids
     [draft_vocab] (sorted), or None when the head keeps the full vocabulary."""
     from fastdraft.models.registry import fastdraft_home
+    from fastdraft.layers.linear import is_dense_linear
     from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
 
     vocab_size = draft.config.vocab_size
     if config.draft_vocab_size is None or config.draft_vocab_size >= vocab_size:
         return None
-    if type(draft.model.lm_head) is not torch.nn.Linear:
+    if not is_dense_linear(draft.model.lm_head):
         logger.info("the draft's LM head is already quantized; it keeps the full vocabulary")
         return None
     token_ids = frequent_token_ids(draft.tokenizer, config.draft_vocab_size, vocab_size,

@@ -27,6 +27,7 @@ from torch import nn
 
 from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.fileio import write_json
+from fastdraft.layers.linear import Linear, is_dense_linear
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,11 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
     """Replace ``model.lm_head`` (a dense ``nn.Linear``) by one over the rows ``token_ids``:
     ``compute_logits`` then returns ``[..., len(token_ids)]``. A tied embedding stays whole."""
     head = model.lm_head
-    if type(head) is not nn.Linear:
+    if not is_dense_linear(head):
         raise ValueError(f"only a dense LM head can be restricted, not {type(head).__name__}")
     weight = head.weight.detach()  # [vocab_size, hidden_size]
     rows = token_ids.to(weight.device)
-    small = nn.Linear(weight.shape[1], len(rows), bias=head.bias is not None,
+    small = Linear(weight.shape[1], len(rows), bias=head.bias is not None,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         small.weight.copy_(weight[rows])

@@ -163,6 +163,61 @@ def test_causal_tokens_bad_shape_is_a_value_error():
         fused.decode_attention(q, k, k, 1.0, num_tokens=2)
 
 
+def _has_dense_bf16() -> bool:
+    ext = load_x86_extension()
+    return ext is not None and ext.dense_bf16_applies(torch.zeros(1, 32, dtype=torch.bfloat16),
+                                                      torch.zeros(1, 32, dtype=torch.bfloat16))
+
+
+needs_dense_bf16 = pytest.mark.skipif(not _has_dense_bf16(), reason="needs AVX512-BF16")
+
+
+@needs_dense_bf16
+@pytest.mark.parametrize("n, k", [(37, 64), (256, 1536), (4099, 96)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_dense_bf16_kernel_matches_twin_and_is_row_invariant(n, k, has_bias):
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if has_bias else None
+    x = torch.randn(8, k).bfloat16()
+    one_row = [fused.dense_linear(x[m:m + 1], w, bias) for m in range(8)]  # [1, n] each
+    for rows in range(1, 9):
+        y = fused.dense_linear(x[:rows], w, bias)  # [rows, n]
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+        # fp32 sums in another order, one rounding each: at most a bf16 step apart
+        torch.testing.assert_close(y.float(), fused.reference_dense_linear(x[:rows], w, bias).float(),
+                                   rtol=2**-7, atol=1e-3 * k ** 0.5)
+        for m in range(rows):
+            assert torch.equal(y[m], one_row[m][0])
+
+
+def test_dense_linear_falls_back_to_f_linear():
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 40).bfloat16(), torch.randn(3, 40).bfloat16()  # K % 32 != 0
+    assert torch.equal(fused.dense_linear(x, w), F.linear(x, w))
+    w, x = torch.randn(16, 64).bfloat16(), torch.randn(9, 64).bfloat16()  # more than 8 rows
+    assert torch.equal(fused.dense_linear(x, w), F.linear(x, w))
+    assert torch.equal(fused.dense_linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    w.requires_grad_(True)  # autograd needs torch's op
+    assert fused.dense_linear(x[:2], w).grad_fn is not None
+
+
+@needs_dense_bf16
+def test_linear_module_runs_the_kernel_with_nn_linear_state():
+    from torch import nn
+
+    from fastdraft.layers.linear import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    ref = nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    assert lin.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(2, 3, 64).bfloat16()  # leading dims kept
+    with torch.no_grad():
+        assert torch.equal(lin(x), fused.dense_linear(x, lin.weight, lin.bias))
+        assert lin(x).shape == (2, 3, 48)
+
+
 def test_fallback_when_disabled(monkeypatch):
     monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
     load_x86_extension.cache_clear()

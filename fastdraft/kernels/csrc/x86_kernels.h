@@ -42,6 +42,12 @@ inline bool is_amd_cpu() {
   return is_amd;
 }
 
+// Dense bf16 weights, few rows (woq_x86.cpp): whether the kernel takes x [M, K] and W [N, K],
+// and x W^T (+ bias, fp32, may be undefined) as bf16 [M, N], each row computed the same way
+// whatever M.
+bool dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor dense_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
+
 // TORCH_CHECKs the weight's dtypes, layout and sizes.
 void check_woq_weight(const WoqWeight& w);
 // x [M, K <= k_pad] (float32 or bfloat16, contiguous) -> a.
