@@ -297,7 +297,11 @@ namespace {
 // Output (m, n) is always the same 16-lane fp32 accumulation over k in 32-wide steps, reduced
 // and rounded once to bf16 (+ bias in fp32 before the rounding), whatever M: row-invariant, so
 // a verification pass reproduces one-token decoding bit for bit without padding to min_rows.
-// Plain PyTorch twin: fastdraft/kernels/x86.py::reference_dense_bf16_linear.
+// Each step also prefetches, into L2, the same line of the next block's rows: without it the
+// R short row streams left the hardware prefetcher behind. Whole bf16 steps at 1024 cached
+// tokens, interleaved: 0.5B 1.34x (1 token, prefetching at M <= 2 only), then prefetching at
+// every M 1.64x at 5 tokens and 1.00x at 1; 1.5B 1.15x (1 token) and 1.35x (5 tokens).
+// Plain PyTorch twin: fastdraft/kernels/fused.py::reference_dense_linear.
 constexpr int kDenseMaxRows = 8;
 
 template <int M, int R>
@@ -310,6 +314,7 @@ __attribute__((target("avx512bf16"))) void dense_rows(const at::BFloat16* w, int
     __m512i xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(x + m * k + c);
     for (int i = 0; i < R; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + R + i) * k + c), _MM_HINT_T1);
       const __m512i wv = _mm512_loadu_si512(w + (n0 + i) * k + c);
       for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], (__m512bh)wv, (__m512bh)xv[m]);
     }
