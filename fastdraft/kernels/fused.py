@@ -143,9 +143,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     oneDNN at one row and computes each row the same way whatever the number of rows."""
     is_autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     ext = None if is_autograd or x.dtype != torch.bfloat16 else _extension_for(x, weight)
-    if ext is not None and (bias is None or bias.dtype == x.dtype):
+    if ext is not None:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        if ext.dense_bf16_applies(rows, weight):
+        if ext.dense_bf16_applies(rows, weight, bias):
             return ext.dense_bf16_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
-

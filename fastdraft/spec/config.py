@@ -84,8 +84,8 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 def _restrict_draft_head(draft: LoadedModel, config: SpeculativeConfig) -> torch.Tensor | None:
     """Shrink a dense draft head to ``config.draft_vocab_size`` frequent tokens; the kept ids
     [draft_vocab] (sorted), or None when the head keeps the full vocabulary."""
-    from fastdraft.models.registry import fastdraft_home
     from fastdraft.layers.linear import is_dense_linear
+    from fastdraft.models.registry import fastdraft_home
     from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
 
     vocab_size = draft.config.vocab_size

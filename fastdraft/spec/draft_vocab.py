@@ -92,7 +92,7 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
     weight = head.weight.detach()  # [vocab_size, hidden_size]
     rows = token_ids.to(weight.device)
     small = Linear(weight.shape[1], len(rows), bias=head.bias is not None,
-                      device=weight.device, dtype=weight.dtype)
+                   device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         small.weight.copy_(weight[rows])
         if head.bias is not None:

@@ -36,11 +36,10 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 
 namespace {
 
-// One projection: a dense weight (dense_bf16_linear for up to 8 bf16 rows, else oneDNN
-// padded to min_rows, like the Python path), a
-// repacked INT4/INT8 weight (woq_linear), or projections of different formats run one by one
-// with their outputs concatenated (e.g. an INT8 v_proj beside INT4 q/k). The bias is in the
-// activation dtype.
+// One projection: a dense weight (dense_bf16_linear for up to 8 bf16 rows, else oneDNN padded
+// to min_rows, like the Python path), a repacked INT4/INT8 weight (woq_linear), or
+// projections of different formats run one by one with their outputs concatenated (e.g. an
+// INT8 v_proj beside INT4 q/k). The bias is in the activation dtype.
 struct Linear {
   torch::Tensor weight;  // dense [N, K], undefined for weight-only
   fastdraft::WoqWeight woq;  // used when weight is undefined and parts empty
@@ -69,8 +68,7 @@ struct Linear {
     }
     if (weight.defined()) {
       // As fastdraft.kernels.fused.dense_linear: the row-invariant kernel needs no padding.
-      if ((!bias.defined() || bias.scalar_type() == x.scalar_type()) && fastdraft::dense_bf16_applies(x, weight))
-        return fastdraft::dense_bf16_linear(x, weight, bias);
+      if (fastdraft::dense_bf16_applies(x, weight, bias)) return fastdraft::dense_bf16_linear(x, weight, bias);
       const int64_t m = x.size(0);
       if (m >= min_rows) return at::linear(x, weight, bias);
       auto padded = at::constant_pad_nd(x, {0, 0, 0, min_rows - m});

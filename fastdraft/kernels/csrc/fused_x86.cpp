@@ -623,11 +623,6 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   }
 }
 
-bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 }  // namespace
 
 // q [B, H, R, D] (scaled inside), k/v [B, H, L, D] with unit last stride -> out [B, H, R, D].
@@ -655,7 +650,7 @@ void fastdraft::attention_replan(AttentionPlan& p, const torch::Tensor& q, const
   p.q = q, p.k = k, p.v = v, p.scale = static_cast<float>(scale);
   // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
   // the fp32 path takes q pre-scaled (attention_scale_q).
-  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && cpu_has_avx512_bf16();
+  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && fastdraft::cpu_has_avx512_bf16();
   if (p.is_bf16_dot) {
     p.q_pairs = q;  // [B, H, R, D]
   } else if (!p.qf.defined() || p.qf.sizes() != q.sizes()) {

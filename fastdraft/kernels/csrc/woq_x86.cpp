@@ -342,30 +342,23 @@ void dense_m(const at::BFloat16* w, int64_t n, int64_t k, const at::BFloat16* x,
   });
 }
 
-bool cpu_has_dense_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 }  // namespace
 
-bool fastdraft::dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w) {
-  return cpu_has_dense_bf16() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+bool fastdraft::dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  return cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
          x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kDenseMaxRows && x.size(1) % 32 == 0 &&
-         w.size(1) == x.size(1) && w.is_contiguous() && !x.is_cuda() && !w.is_cuda();
+         w.size(1) == x.size(1) && w.is_contiguous() && !x.is_cuda() && !w.is_cuda() &&
+         (!bias.defined() || (bias.scalar_type() == at::kBFloat16 && bias.numel() == w.size(0)));
 }
 
 torch::Tensor fastdraft::dense_bf16_linear(const torch::Tensor& x_in, const torch::Tensor& w,
                                            const torch::Tensor& bias) {
-  TORCH_CHECK(dense_bf16_applies(x_in, w), "dense_bf16_linear: x [M <= 8, K % 32 == 0] and W [N, K], both bf16, "
-                                          "W contiguous, on a CPU with AVX512-BF16");
+  TORCH_CHECK(dense_bf16_applies(x_in, w, bias), "dense_bf16_linear: x [M <= 8, K % 32 == 0], W [N, K] and bias "
+                                                "[N], all bf16, W contiguous, on a CPU with AVX512-BF16");
   const auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   torch::Tensor bias_f;
-  if (bias.defined()) {
-    TORCH_CHECK(bias.numel() == n, "bias must have N elements");
-    bias_f = bias.to(at::kFloat).contiguous();
-  }
+  if (bias.defined()) bias_f = bias.to(at::kFloat).contiguous();
   auto out = torch::empty({m, n}, x.options());
   const auto* wp = w.data_ptr<at::BFloat16>();
   const auto* xp = x.data_ptr<at::BFloat16>();
@@ -583,7 +576,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "attention of a few new query tokens over cached keys/values",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("num_tokens") = 1);
   m.def("rotary", &rotary, "rotary embedding (rotate-half convention) of [T, heads * head_dim] rows");
-  m.def("dense_bf16_applies", &fastdraft::dense_bf16_applies, "whether dense_bf16_linear takes these x and W");
+  m.def("dense_bf16_applies", [](torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+    return fastdraft::dense_bf16_applies(x, w, bias ? *bias : torch::Tensor());
+  }, "whether dense_bf16_linear takes these x, W and bias", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
   m.def("dense_bf16_linear", [](torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
     return fastdraft::dense_bf16_linear(x, w, bias ? *bias : torch::Tensor());
   }, "x [M <= 8, K] W^T (+ bias), dense bf16, AVX512-BF16 dot products, row-invariant",

@@ -42,10 +42,16 @@ inline bool is_amd_cpu() {
   return is_amd;
 }
 
-// Dense bf16 weights, few rows (woq_x86.cpp): whether the kernel takes x [M, K] and W [N, K],
-// and x W^T (+ bias, fp32, may be undefined) as bf16 [M, N], each row computed the same way
-// whatever M.
-bool dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w);
+// Whether the CPU has AVX512-BF16 (vdpbf16ps): the attention and the dense bf16 matmul use it.
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// Dense bf16 weights, few rows (woq_x86.cpp): whether the kernel takes x [M, K], W [N, K] and
+// bias (may be undefined), and x W^T (+ bias, added in fp32) as bf16 [M, N], each row computed
+// the same way whatever M.
+bool dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
 torch::Tensor dense_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
 
 // TORCH_CHECKs the weight's dtypes, layout and sizes.
