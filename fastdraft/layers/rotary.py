@@ -54,15 +54,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
         self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def tables(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos, sin tables ``[>= length, head_dim]`` (row i: position i): the same tensors
+        from call to call until a longer table is needed."""
+        if self._cos is None or self._cos.shape[0] < length or self._cos.dtype != dtype \
+                or self._cos.device != device:
+            # Grow geometrically so a long generation rebuilds the table only a few times.
+            size = max(length, 2 * (self._cos.shape[0] if self._cos is not None else 2048))
+            self._build(size, dtype, device)
+        return self._cos, self._sin
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``[*positions.shape, head_dim]``."""
-        needed = int(positions.max()) + 1
-        if self._cos is None or self._cos.shape[0] < needed or self._cos.dtype != dtype \
-                or self._cos.device != positions.device:
-            # Grow geometrically so a long generation rebuilds the table only a few times.
-            size = max(needed, 2 * (self._cos.shape[0] if self._cos is not None else 2048))
-            self._build(size, dtype, positions.device)
-        return self._cos[positions], self._sin[positions]
+        cos, sin = self.tables(int(positions.max()) + 1, dtype, positions.device)
+        return cos[positions], sin[positions]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,8 @@ class FusedDecoder:
         self.layer_ops = layer_ops
         self.dtype, self.device, self.min_rows = dtype, device, min_rows
         self._head: tuple[nn.Module, object] | None = None  # (LM head module, its C++ op)
+        # (the tensors and ops a C++ DecoderStep was built from, the step): one KV cache slot
+        self._step: tuple[tuple, object] | None = None
 
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
@@ -142,25 +144,47 @@ class FusedDecoder:
         with ``norm`` (``norm_args``) after the final norm too; with a ``head`` op as well, the
         head's output [num_logit_rows, out_features] for the last rows (a weight-only head runs
         inside the decoder's parallel region, with no Python between)."""
-        slot = int(meta.slot_ids[0])
+        slot = meta.slot
         weight, eps = norm if norm is not None else (None, 0.0)
         return self.ext.decoder_forward(self.layer_ops, hidden_states, cos, sin, kv_cache.k[:, slot],
                                         kv_cache.v[:, slot], meta.contiguous_start, weight, eps, head,
                                         num_logit_rows)
 
 
-def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, hidden_states: torch.Tensor, kv_cache: KVCache,
-                      meta: AttentionMetadata, min_rows: int) -> FusedDecoder | None:
-    """The (cached) fused decoder of ``owner`` if this forward pass can use it, else ``None``."""
-    batch, num_tokens = meta.positions.shape
-    if (batch != 1 or meta.contiguous_start is None or meta.is_prefill or num_tokens > MAX_FUSED_TOKENS
-            or hidden_states.device.type != "cpu" or hidden_states.dtype not in (torch.float32, torch.bfloat16)
-            or kv_cache.k.dtype != hidden_states.dtype or torch.is_grad_enabled()):
+    def logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, embed: nn.Embedding,
+               rotary: nn.Module, norm: nn.Module, lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
+        """fp32 logits [num_logit_rows, out_features] of a whole step from ``input_ids``
+        [1, num_tokens] in one C++ call (embedding, rotary rows, layers, final norm, head), or
+        None when the embedding, final norm or head cannot run there. The C++ step is kept
+        while the cache slot, the embedding, the rotary table and the head stay the same."""
+        if has_hooks(embed) or embed.weight.dtype != self.dtype or not embed.weight.is_contiguous():
+            return None
+        norm_args = self.norm_args(norm)
+        head = self.head_op(lm_head) if norm_args is not None else None
+        if head is None:
+            return None
+        num_tokens = input_ids.shape[1]
+        cos, sin = rotary.tables(meta.contiguous_start + num_tokens, self.dtype, self.device)
+        slot = meta.slot
+        key = (kv_cache.k, kv_cache.v, slot, embed.weight, cos, norm.weight, head)  # compared by identity
+        if self._step is None or any(a is not b for a, b in zip(self._step[0], key)):
+            step = self.ext.DecoderStep(self.layer_ops, embed.weight.detach(), cos, sin, kv_cache.k[:, slot],
+                                        kv_cache.v[:, slot], norm_args[0], norm_args[1], head)
+            self._step = (key, step)
+        return self._step[1].logits(input_ids.view(-1), meta.contiguous_start, num_logit_rows)
+
+
+def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
+                      kv_cache: KVCache, meta: AttentionMetadata, min_rows: int) -> FusedDecoder | None:
+    """The (cached) fused decoder of ``owner`` if a forward pass with activations of ``dtype``
+    on ``device`` can use it, else ``None``."""
+    if (meta.batch_size != 1 or meta.contiguous_start is None or meta.is_prefill or meta.num_tokens > MAX_FUSED_TOKENS
+            or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.k.dtype != dtype or torch.is_grad_enabled()):
         return None
-    key = (hidden_states.dtype, min_rows)
+    key = (dtype, min_rows)
     entry = owner.__dict__.get(_CACHE_ATTR)  # (key, decoder, watch)
     if entry is None or entry[0] != key or not entry[2].is_current():
-        entry = owner.__dict__[_CACHE_ATTR] = (key, FusedDecoder.build(layers, hidden_states.dtype,
-                                                                      hidden_states.device, min_rows),
+        entry = owner.__dict__[_CACHE_ATTR] = (key, FusedDecoder.build(layers, dtype, device, min_rows),
                                                _ModuleWatch(layers))
     return entry[1]

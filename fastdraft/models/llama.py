@@ -113,6 +113,19 @@ class LlamaModel(nn.Module):
                 min_rows: int = 1) -> torch.Tensor:
         return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
 
+    def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
+                    lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
+        """fp32 logits [num_logit_rows, vocab] of a decode or verification step run in one C++
+        call from the token ids on (``FusedDecoder.logits``), or None when it cannot run there."""
+        weight = self.embed_tokens.weight
+        if not self.is_fused_decode_enabled:
+            return None
+        fused = fused_decoder_for(self, self.layers, weight.dtype, weight.device, kv_cache, meta, min_rows)
+        if fused is None:
+            return None
+        return fused.logits(input_ids, kv_cache, meta, self.embed_tokens, self.rotary_emb, self.norm, lm_head,
+                            num_logit_rows)
+
     def forward_to(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int = 1,
                    lm_head: nn.Module | None = None, num_logit_rows: int = 0) -> tuple[torch.Tensor, bool]:
         """-> (final hidden states [batch, num_tokens, hidden_size], False); or, given
@@ -124,7 +137,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [batch, num_tokens, head_dim]
         fused = None
         if self.is_fused_decode_enabled:
-            fused = fused_decoder_for(self, self.layers, hidden_states, kv_cache, meta, min_rows)
+            fused = fused_decoder_for(self, self.layers, hidden_states.dtype, hidden_states.device, kv_cache, meta,
+                                      min_rows)
         if fused is not None:
             norm = fused.norm_args(self.norm)
             head = fused.head_op(lm_head) if norm is not None and lm_head is not None else None
@@ -186,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
                              f"batch {input_ids.shape[0]} and {rows} rows")
         if has_hooks(self) or has_hooks(self.model):  # observed calls go through forward
             return self.compute_logits(self(input_ids, kv_cache, meta)[0, num_tokens - rows:])
+        logits = self.model.step_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
+        if logits is not None:
+            return logits
         out, is_logits = self.model.forward_to(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
         if is_logits:
             return out.float()

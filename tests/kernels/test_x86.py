@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from fastdraft.kernels import fused, select_kernel
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
+from fastdraft.layers.sampler import greedy_ids
 from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize
 from tests.helpers import assert_tokens_equal_one_token_calls
 
@@ -227,7 +228,35 @@ def test_fallback_when_disabled(monkeypatch):
         assert select_kernel(qw, torch.bfloat16, "cpu").name != "x86-vnni"
         x = torch.randn(2, 8)
         assert torch.equal(fused.silu_and_mul(x), fused.reference_silu_and_mul(x))
+        assert torch.equal(greedy_ids(x), x.argmax(dim=-1))  # numpy's argmax instead
     finally:
         monkeypatch.delenv("FASTDRAFT_DISABLE_CPU_KERNELS")
         load_x86_extension.cache_clear()
     assert load_x86_extension() is not None
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 47, 300, 151936])
+def test_argmax_rows_matches_torch_argmax(n):
+    """argmax_rows against its twin torch.argmax: ties, NaN and infinities in the vector part
+    and in the tail, rows of one value, and shapes of 1 to 3 dims."""
+    ext = load_x86_extension()
+    gen = torch.Generator().manual_seed(n)
+    rows = torch.randn(9, n, generator=gen)
+    rows[1] = 0.5  # all tied: the first index
+    rows[2] = float("-inf")
+    rows[3, n // 2] = float("inf")
+    rows[3, n - 1] = float("inf")  # a tie of infinities: the first
+    rows[4, n - 1] = float("nan")  # a NaN in the tail beats every number
+    rows[5, n // 3] = float("nan")
+    rows[5, n - 1] = float("nan")  # two NaNs: the first
+    rows[6, 0] = rows[6].max() + 1
+    rows[6, -1] = rows[6, 0]  # a tie between the ends
+    rows[7, n - 1] = rows[7].max() + 1  # the maximum in the tail
+    rows[8, n // 2] = -0.0  # signed zeros compare equal
+    for x in (rows, rows[0], rows.view(3, 3, n), rows.t().contiguous().t()):
+        assert torch.equal(ext.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_rejects_other_dtypes():
+    with pytest.raises(RuntimeError, match="fp32"):
+        load_x86_extension().argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))

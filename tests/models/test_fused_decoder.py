@@ -135,15 +135,16 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
 def test_fused_path_only_for_decode_shapes(tiny_models):
     model = _model(tiny_models, "llama", "fp32", "dense")
     cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
-    hidden = torch.zeros(1, 4, model.config.hidden_size)
+    layers, cpu = model.model.layers, torch.device("cpu")
     with torch.inference_mode():
-        assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is None  # prefill
-        assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is not None
-        too_many = torch.zeros(1, MAX_FUSED_TOKENS + 1, model.config.hidden_size)
-        assert fused_decoder_for(model.model, model.model.layers, too_many, cache,
+        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is None  # prefill
+        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is not None
+        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache,
                                  cache.append(MAX_FUSED_TOKENS + 1), 1) is None
+        # activations of another dtype than the cache's
+        assert fused_decoder_for(model.model, layers, torch.bfloat16, cpu, cache, cache.append(1), 1) is None
     # Autograd needs the module path.
-    assert fused_decoder_for(model.model, model.model.layers, hidden, cache, cache.append(4), 1) is None
+    assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is None
 
 
 def test_fused_decoder_rebuilds_after_quantization(tiny_models):
@@ -169,6 +170,37 @@ def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, va
         assert got.shape == (num_rows, model.config.vocab_size) and got.dtype == torch.float32
         assert torch.equal(got, want)
     assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
+
+
+def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models):
+    # decode_logits runs a C++ DecoderStep built for one cache slot: kept from step to step (a
+    # rebuild every step cost about 0.3 ms), rebuilt when the cache, the rotary table or a
+    # weight it holds changes -- and always giving the module path's logits.
+    model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
+    steps = [(1, 1)] * 3 + [(4, 4)]
+    for got, want in _decode_logits_both_paths(model, steps):
+        assert torch.equal(got, want)
+    decoder = model.model.__dict__["_fused_decoder"][1]
+    step = decoder._step[1]
+    other = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    with torch.inference_mode():
+        model(torch.zeros(1, 3, dtype=torch.long), other, other.append(3))
+        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
+        assert decoder._step[1] is not step
+        step = decoder._step[1]
+        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
+        assert decoder._step[1] is step
+    for got, want in _decode_logits_both_paths(model, [(1, 1), (2, 1)], seed=3):  # back on other caches
+        assert torch.equal(got, want)
+
+
+def test_decoder_step_rejects_token_ids_outside_the_vocabulary(tiny_models):
+    model = _model(tiny_models, "llama", "fp32", "int4-g32-sym")
+    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    with torch.inference_mode():
+        model(torch.zeros(1, 3, dtype=torch.long), cache, cache.append(3))
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            model.decode_logits(torch.tensor([[model.config.vocab_size]]), cache, cache.append(1))
 
 
 def test_decode_logits_rejects_bad_rows(tiny_models):

@@ -19,7 +19,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <utility>
@@ -350,9 +353,30 @@ constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
 
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
 // logits of the last num_logit_rows rows, the head run inside the region like a projection.
+// Each layer's part of one sequence's KV cache as the kernels take it: [kv_heads, max_seq_len,
+// head_dim] (k, v) and [1, ...] (k4, v4). Made once per cache by a DecoderStep: with the weights
+// streaming through the caches, the 4 views per layer cost about 0.1 ms a step when made afresh.
+struct LayerCaches {
+  std::vector<torch::Tensor> k, v, k4, v4;
+  int64_t max_seq_len = 0;
+
+  LayerCaches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t num_layers) {
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) >= num_layers &&
+                    v_cache.sizes() == k_cache.sizes(),
+                "k/v cache must be [>= num_layers, kv_heads, max_seq_len, head_dim]");
+    max_seq_len = k_cache.size(2);
+    for (int64_t i = 0; i < num_layers; ++i) {
+      k.push_back(k_cache[i]);
+      v.push_back(v_cache[i]);
+      k4.push_back(k.back().unsqueeze(0));
+      v4.push_back(v.back().unsqueeze(0));
+    }
+  }
+};
+
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, int64_t start, const torch::Tensor& final_norm,
+                                     const torch::Tensor& cos, const torch::Tensor& sin, const LayerCaches& caches,
+                                     int64_t start, const torch::Tensor& final_norm,
                                      double eps, const Linear* head, int64_t num_logit_rows) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
@@ -381,15 +405,6 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   fastdraft::AttentionPlan plan;
   WorkSplit attention_split;
   std::vector<int64_t> attention_shares(nth + 1);
-  // Each layer's cache as [kv_heads, max_seq_len, head_dim] and [1, ...], made here: a view
-  // costs about a microsecond of dispatch.
-  std::vector<torch::Tensor> k_cache_layers, v_cache_layers, k_layers, v_layers;
-  for (int i = 0; i < num_layers; ++i) {
-    k_cache_layers.push_back(k_cache[i]);
-    v_cache_layers.push_back(v_cache[i]);
-    k_layers.push_back(k_cache_layers.back().unsqueeze(0));
-    v_layers.push_back(v_cache_layers.back().unsqueeze(0));
-  }
   std::exception_ptr error;
   std::atomic<bool> failed{false};
   // Any thread; an exception stops every thread at the next barrier, to be rethrown.
@@ -429,7 +444,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
                                              std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
         if (tid == 0) {
-          fastdraft::attention_replan(plan, q_rows, k_layers[i], v_layers[i], layer.scale, num_tokens,
+          fastdraft::attention_replan(plan, q_rows, caches.k4[i], caches.v4[i], layer.scale, num_tokens,
                                       start + num_tokens);
           for (int t = 0; t <= nth; ++t) attention_shares[t] = plan.num_items * t / nth;
           attention_split.reset(attention_shares, 1);
@@ -449,8 +464,8 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           qkv.add_bias(q_size + kv0 * d, q_size + kv1 * d);
           qkv.add_bias(q_size + kv_size + kv0 * d, q_size + kv_size + kv1 * d);
         }
-        fastdraft::rope_to_cache_heads(qkv.out(), cos, sin, num_heads, num_kv_heads, d, k_cache_layers[i],
-                                       v_cache_layers[i], start, q_rows, kv0, kv1);
+        fastdraft::rope_to_cache_heads(qkv.out(), cos, sin, num_heads, num_kv_heads, d, caches.k[i],
+                                       caches.v[i], start, q_rows, kv0, kv1);
         fastdraft::attention_scale_q(plan, kv0, kv1);
         if (tid == 0) down.bind(*layer.down, num_tokens, options, nth);
         o_proj.prefetch_share(tid, kSectionPrefetchBytes);
@@ -536,6 +551,108 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   return final_norm.defined() ? normed : resid;
 }
 
+bool is_all_weight_only(const std::vector<std::shared_ptr<DecoderLayer>>& layers) {
+  for (const auto& layer : layers)
+    for (const auto* lin : {layer->qkv.get(), layer->o_proj.get(), layer->gate_up.get(), layer->down.get()})
+      if (!lin->is_weight_only()) return false;
+  return true;
+}
+
+// decoder_forward's work, on checked arguments: h [T, hidden], c/s [T, head_dim] contiguous.
+torch::Tensor run_decoder(const std::vector<std::shared_ptr<DecoderLayer>>& layers, bool is_weight_only,
+                          torch::Tensor h, const torch::Tensor& c, const torch::Tensor& s, const LayerCaches& caches,
+                          int64_t start, const torch::Tensor& norm, double eps, const std::shared_ptr<Linear>& head,
+                          int64_t num_logit_rows) {
+  TORCH_CHECK(start >= 0 && start + h.size(0) <= caches.max_seq_len, "tokens do not fit in the KV cache");
+  TORCH_CHECK(!head || norm.defined(), "a head needs the final norm");
+  TORCH_CHECK(!head || (num_logit_rows >= 1 && num_logit_rows <= h.size(0)), "num_logit_rows out of range");
+  torch::NoGradGuard no_grad;
+  if (is_weight_only) {
+    const bool is_head_inside = head && head->is_weight_only();
+    auto out = decoder_forward_region(layers, h, c, s, caches, start, norm, eps,
+                                      is_head_inside ? head.get() : nullptr, num_logit_rows);
+    if (!head || is_head_inside) return out;
+    return (*head)(out.narrow(0, out.size(0) - num_logit_rows, num_logit_rows).contiguous());
+  }
+  for (size_t i = 0; i < layers.size(); ++i)
+    h = layer_forward(*layers[i], h, c, s, caches.k[i], caches.v[i], start);
+  if (!norm.defined()) return h;
+  h = rms_norm(h, norm, eps);
+  if (!head) return h;
+  return (*head)(h.narrow(0, h.size(0) - num_logit_rows, num_logit_rows).contiguous());
+}
+
+// Rows ids [T] of the table [vocab, hidden]: plain copies, as an embedding lookup is (index_select's
+// dispatch alone took about 40 us a step here).
+torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids) {
+  const auto ids_c = ids.contiguous();
+  const int64_t num_ids = ids_c.size(0), vocab = table.size(0);
+  auto out = torch::empty({num_ids, table.size(1)}, table.options());
+  const size_t row_bytes = table.size(1) * table.element_size();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_ids; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "token id ", id[i], " is outside the vocabulary [0, ", vocab, ")");
+    std::memcpy(static_cast<char*>(out.data_ptr()) + i * row_bytes,
+                static_cast<const char*>(table.data_ptr()) + id[i] * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+// x as fp32: bf16 widened exactly (its bits are fp32's upper half), in one pass with no
+// dispatch (Tensor::to took about 90 us for 152k logits here); fp32 as it is.
+torch::Tensor to_float(const torch::Tensor& x) {
+  if (x.scalar_type() == torch::kFloat) return x;
+  if (x.scalar_type() != torch::kBFloat16 || !x.is_contiguous()) return x.to(torch::kFloat);
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  const int64_t n = x.numel();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(wide, 16));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
+  return out;
+}
+
+// A decode or verification step from token ids to fp32 logits, for one sequence in one KV
+// cache slot. The embedding rows, the rotary rows and the logits' conversion to fp32 are
+// taken here rather than by separate Python calls: with the weights streaming through the
+// caches each of those cost 40-110 us a step, about 2% of a 1.5B INT4 step in all.
+struct DecoderStep {
+  std::vector<std::shared_ptr<DecoderLayer>> layers;
+  bool is_weight_only;
+  torch::Tensor embed, cos_table, sin_table, final_norm;  // [vocab, hidden], [positions, head_dim] x2, [hidden]
+  double eps;
+  std::shared_ptr<Linear> head;
+  LayerCaches caches;
+
+  DecoderStep(std::vector<std::shared_ptr<DecoderLayer>> layers_, torch::Tensor embed_, torch::Tensor cos_table_,
+              torch::Tensor sin_table_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              torch::Tensor final_norm_, double eps_, std::shared_ptr<Linear> head_)
+      : layers(std::move(layers_)), is_weight_only(is_all_weight_only(layers)), embed(std::move(embed_)),
+        cos_table(cos_table_.contiguous()), sin_table(sin_table_.contiguous()), final_norm(std::move(final_norm_)),
+        eps(eps_), head(std::move(head_)), caches(k_cache, v_cache, static_cast<int64_t>(layers.size())) {
+    TORCH_CHECK(!layers.empty() && head, "a decoder step needs layers and a head");
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "embed must be a contiguous [vocab, hidden] table");
+    TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes(), "cos/sin tables must be 2-D, alike");
+  }
+
+  // ids [T] int64 at positions start..start+T-1 -> fp32 logits [num_logit_rows, out_features].
+  torch::Tensor logits(const torch::Tensor& ids, int64_t start, int64_t num_logit_rows) const {
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.size(0) >= 1, "ids must be 1-D int64");
+    const int64_t num_tokens = ids.size(0);
+    TORCH_CHECK(start >= 0 && start + num_tokens <= cos_table.size(0), "positions beyond the rotary table");
+    torch::NoGradGuard no_grad;
+    auto h = embedding_rows(embed, ids);  // [T, hidden]
+    auto out = run_decoder(layers, is_weight_only, h, cos_table.narrow(0, start, num_tokens),
+                           sin_table.narrow(0, start, num_tokens), caches, start, final_norm, eps, head,
+                           num_logit_rows);
+    return to_float(out);
+  }
+};
+
 }  // namespace
 
 // All layers for T tokens of one sequence. hidden [T, hidden]; cos/sin [T, head_dim];
@@ -547,32 +664,50 @@ torch::Tensor decoder_forward(const std::vector<std::shared_ptr<DecoderLayer>>& 
                               int64_t start, c10::optional<torch::Tensor> final_norm, double eps,
                               std::shared_ptr<Linear> head, int64_t num_logit_rows) {
   TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) >= static_cast<int64_t>(layers.size()),
-              "k/v cache must be [>= num_layers, kv_heads, max_seq_len, head_dim]");
-  TORCH_CHECK(start >= 0 && start + hidden.size(0) <= k_cache.size(2), "tokens do not fit in the KV cache");
-  TORCH_CHECK(!head || final_norm.has_value(), "a head needs the final norm");
-  TORCH_CHECK(!head || (num_logit_rows >= 1 && num_logit_rows <= hidden.size(0)), "num_logit_rows out of range");
-  torch::NoGradGuard no_grad;
-  auto h = hidden.contiguous();
-  auto c = cos.contiguous(), s = sin.contiguous();
-  const torch::Tensor norm = final_norm.value_or(torch::Tensor());
-  bool is_weight_only = true;
-  for (const auto& layer : layers)
-    for (const auto* lin : {layer->qkv.get(), layer->o_proj.get(), layer->gate_up.get(), layer->down.get()})
-      is_weight_only = is_weight_only && lin->is_weight_only();
-  if (is_weight_only) {
-    const bool is_head_inside = head && head->is_weight_only();
-    auto out = decoder_forward_region(layers, h, c, s, k_cache, v_cache, start, norm, eps,
-                                      is_head_inside ? head.get() : nullptr, num_logit_rows);
-    if (!head || is_head_inside) return out;
-    return (*head)(out.narrow(0, out.size(0) - num_logit_rows, num_logit_rows).contiguous());
+  const LayerCaches caches(k_cache, v_cache, static_cast<int64_t>(layers.size()));
+  return run_decoder(layers, is_all_weight_only(layers), hidden.contiguous(), cos.contiguous(), sin.contiguous(),
+                     caches, start, final_norm.value_or(torch::Tensor()), eps, head, num_logit_rows);
+}
+
+// The index of each row's largest value, as torch.argmax gives it: the first on ties, and the
+// first NaN if a row has one. x [rows, n] fp32 -> [rows] int64. One pass per row while no NaN
+// shows up, then a second over the (cached) row for the first index holding the maximum.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.size(-1) >= 1, "argmax_rows takes fp32 rows");
+  const auto xc = x.contiguous();
+  const int64_t n = xc.size(-1), rows = xc.numel() / n;
+  auto sizes = xc.sizes().vec();
+  sizes.pop_back();
+  auto out = torch::empty(sizes, xc.options().dtype(torch::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xc.data_ptr<float>() + r * n;
+    int64_t found = -1;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 16 <= n && found < 0; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      if (is_nan) found = i + __builtin_ctz(is_nan);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    float best = _mm512_reduce_max_ps(vmax);
+    for (; i < n && found < 0; ++i) {
+      if (std::isnan(row[i])) found = i;
+      else best = std::max(best, row[i]);
+    }
+    if (found < 0) {
+      const __m512 vbest = _mm512_set1_ps(best);
+      for (i = 0; i + 16 <= n && found < 0; i += 16) {
+        const __mmask16 is_best = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), vbest, _CMP_EQ_OQ);
+        if (is_best) found = i + __builtin_ctz(is_best);
+      }
+      for (; i < n && found < 0; ++i)
+        if (row[i] == best) found = i;
+    }
+    result[r] = found;
   }
-  for (size_t i = 0; i < layers.size(); ++i)
-    h = layer_forward(*layers[i], h, c, s, k_cache[i], v_cache[i], start);
-  if (!norm.defined()) return h;
-  h = rms_norm(h, norm, eps);
-  if (!head) return h;
-  return (*head)(h.narrow(0, h.size(0) - num_logit_rows, num_logit_rows).contiguous());
+  return out;
 }
 
 void bind_decoder(pybind11::module& m) {
@@ -604,4 +739,14 @@ void bind_decoder(pybind11::module& m) {
         py::arg("layers"), py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("start"), py::arg("final_norm") = py::none(), py::arg("eps") = 0.0,
         py::arg("head") = std::shared_ptr<Linear>(), py::arg("num_logit_rows") = 0);
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or NaN), as torch.argmax",
+        py::arg("x"));
+  py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
+      .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
+                    const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),
+           py::arg("layers"), py::arg("embed"), py::arg("cos_table"), py::arg("sin_table"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
+      .def("logits", &DecoderStep::logits, "token ids [T] at start.. -> fp32 logits [num_logit_rows, out]",
+           py::arg("ids"), py::arg("start"), py::arg("num_logit_rows"),
+           py::call_guard<py::gil_scoped_release>());
 }
