@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.layers.sampler import greedy_ids, logits_to_probs, sample, sample_from_probs
+from fastdraft.layers.sampler import (greedy_ids, logits_to_probs, reference_sample_from_probs, sample,
+                                      sample_from_probs)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -170,3 +171,23 @@ def test_sampling_params_defaults_and_normalisation():
     assert p.is_greedy and p.top_k == 0 and p.top_p == 1.0 and p.stop == [] and not p.ignore_eos
     assert SamplingParams(stop="END").stop == ["END"]
     assert not SamplingParams(temperature=0.7).is_greedy
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 127, 128, 300, 8_300, 32_768, 151_936])
+def test_sample_rows_kernel_matches_its_twin(vocab):
+    # sample_from_probs (the C++ sample_rows on the CPU) against reference_sample_from_probs
+    # (torch ops), same seeds: peaked, flat and sparse rows, zero mass in padding-like tails.
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([0.1, 1.0, 3.0, 8.0, 1.0, 1.0])[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    probs[4, vocab // 2:] = 0.0  # no mass in the second half
+    probs[4, 0] = max(float(probs[4, 0]), 1e-3)
+    probs[5] = 0.0
+    probs[5, vocab - 1] = 0.5  # mass only at the end (and the start)
+    probs[5, 0] = 0.5
+    for seed in range(20):
+        got = sample_from_probs(probs, _gen(seed))
+        want = reference_sample_from_probs(probs, _gen(seed))
+        assert torch.equal(got, want)
+        assert (probs.gather(1, got[:, None]) > 0).all()
+    assert sample_from_probs(probs[0], _gen(0)).shape == ()

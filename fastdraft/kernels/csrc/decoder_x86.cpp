@@ -710,6 +710,67 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// Inverse-CDF draws, one per row of probs [rows, n] fp32 with uniform [rows] float64 in [0, 1):
+// the first token whose float64 running sum exceeds u * (row total), never a zero-probability
+// token -- layers.sampler.reference_sample_from_probs' rule. Blocks of 128 tokens: only block
+// sums (8 float64 lanes wide) and one block's running sum are accumulated.
+torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& uniform) {
+  constexpr int64_t kBlock = 128;
+  TORCH_CHECK(probs.dim() >= 1 && probs.scalar_type() == torch::kFloat && probs.size(-1) >= 1,
+              "sample_rows takes fp32 probabilities");
+  const auto pc = probs.contiguous();
+  const int64_t n = pc.size(-1), rows = pc.numel() / n, num_blocks = (n + kBlock - 1) / kBlock;
+  const auto uc = uniform.contiguous();
+  TORCH_CHECK(uc.scalar_type() == torch::kDouble && uc.numel() == rows, "one float64 uniform per row");
+  auto sizes = pc.sizes().vec();
+  sizes.pop_back();
+  auto out = torch::empty(sizes, pc.options().dtype(torch::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  std::vector<double> block_cdf(num_blocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = pc.data_ptr<float>() + r * n;
+    double total = 0.0;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* p = row + b * kBlock;
+      const int64_t len = std::min(kBlock, n - b * kBlock);
+      int64_t j = 0;
+      __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+      for (; j + 16 <= len; j += 16) {
+        acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm256_loadu_ps(p + j)));
+        acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_loadu_ps(p + j + 8)));
+      }
+      double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+      for (; j < len; ++j) sum += p[j];
+      total += sum;
+      block_cdf[b] = total;
+    }
+    TORCH_CHECK(total > 0.0, "a row of probabilities sums to ", total);
+    const double point = uc.data_ptr<double>()[r] * total;
+    // The first block whose CDF passes the point; a zero-mass block repeats its predecessor's
+    // entry, so it is never the first. Past the end only by rounding: the last block with mass.
+    int64_t b = std::upper_bound(block_cdf.begin(), block_cdf.end(), point) - block_cdf.begin();
+    if (b == num_blocks) {
+      b = num_blocks - 1;
+      while (b > 0 && block_cdf[b] == block_cdf[b - 1]) --b;
+    }
+    const double rest = point - (b > 0 ? block_cdf[b - 1] : 0.0);
+    const float* p = row + b * kBlock;
+    const int64_t len = std::min(kBlock, n - b * kBlock);
+    int64_t chosen = -1, last_nonzero = -1;
+    double running = 0.0;
+    for (int64_t j = 0; j < len; ++j) {
+      if (p[j] > 0.0f) last_nonzero = j;
+      running += p[j];
+      if (chosen < 0 && running > rest) chosen = j;
+    }
+    // The block's sequential sum may round below its block sum: never step past its last
+    // token of nonzero probability.
+    if (chosen < 0 || chosen > last_nonzero) chosen = last_nonzero;
+    result[r] = b * kBlock + chosen;
+  }
+  return out;
+}
+
 void bind_decoder(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear");
@@ -741,6 +802,8 @@ void bind_decoder(pybind11::module& m) {
         py::arg("head") = std::shared_ptr<Linear>(), py::arg("num_logit_rows") = 0);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or NaN), as torch.argmax",
         py::arg("x"));
+  m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row of probabilities", py::arg("probs"),
+        py::arg("uniform"));
   py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
       .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
                     const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),
