@@ -206,6 +206,11 @@ def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
     return round(config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * mean_context * 2)
 
 
+def _median_fraction(result: dict, bytes_per_token: int) -> float:
+    """Median over rounds of (bytes per token / token latency) / the round's bandwidth probe."""
+    return statistics.median(bytes_per_token / run["token_latency_s"] / run["bandwidth"] for run in result["runs"])
+
+
 def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int) -> None:
     print(f"\n### {name}  (prompt {num_prompt} tok)\n")
     print("| system | prefill tok/s | TTFT ms | decode ms/token (median) | decode tok/s "
@@ -216,15 +221,18 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int) -> Non
             print(f"| {system} | {r} | | | | | | | | |")
             continue
         gbs = r["weight_bytes"] / r["token_latency_s"]
-        r["achieved_gb_s"], r["bandwidth_fraction"] = gbs / 1e9, gbs / r["bandwidth"]
+        r["achieved_gb_s"] = gbs / 1e9
+        # Each round's rate against the probe taken just before it, then the median: the
+        # medians of latency and of bandwidth can come from rounds in different memory states.
+        r["bandwidth_fraction"] = _median_fraction(r, r["weight_bytes"])
         # Every step also reads the whole KV cache: counted here, the weights' figure unchanged.
         r["kv_bytes"] = kv_bytes
-        r["bandwidth_fraction_with_kv"] = (r["weight_bytes"] + kv_bytes) / r["token_latency_s"] / r["bandwidth"]
+        r["bandwidth_fraction_with_kv"] = _median_fraction(r, r["weight_bytes"] + kv_bytes)
         print(f"| {system} | {r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1e3:.0f} | "
               f"{r['token_latency_s'] * 1e3:.1f} | {r['decode_tok_s']:.2f} | {r['weight_bytes'] / 1e6:.0f} | "
-              f"{gbs / 1e9:.1f} | {r['bandwidth'] / 1e9:.1f} | {100 * gbs / r['bandwidth']:.0f}% | "
+              f"{gbs / 1e9:.1f} | {r['bandwidth'] / 1e9:.1f} | {100 * r['bandwidth_fraction']:.0f}% | "
               f"{100 * r['bandwidth_fraction_with_kv']:.0f}% (+{kv_bytes / 1e6:.0f} MB) |")
-    print()
+    print("\n(% of measured BW: median over rounds of the round's rate / the probe just before it)\n")
     ours = [s for s in results if s.startswith("fastdraft") and isinstance(results[s], dict)]
     for system in ours:
         for other in ("transformers", "llama.cpp", "fastdraft"):
@@ -233,6 +241,9 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int) -> Non
                 print(f"{system} vs {other}: decode {b['token_latency_s'] / a['token_latency_s']:.2f}x "
                       f"(median latency ratio), {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tokens/s, "
                       f"prefill {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x")
+                paired = [rb["token_latency_s"] / ra["token_latency_s"] for ra, rb in zip(a["runs"], b["runs"])]
+                print(f"  decode ratio round by round: {' '.join(f'{x:.2f}' for x in paired)} "
+                      f"(median {statistics.median(paired):.2f}x)")
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
