@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.layers.sampler import greedy_ids, sample_from_probs
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.layers.sampler import greedy_ids, reference_sample_from_probs
 
 
 @dataclass
@@ -55,32 +56,64 @@ def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, tar
     were drawn from; target_probs: [k + 1, vocab_size], the target's sampling distributions.
     draft_vocab_ids: [draft_vocab] sorted vocabulary ids when draft_probs is [k, draft_vocab],
     over those tokens only (every other token has draft probability 0).
+
+    On the CPU the C++ ``rejection_sample`` runs it in one call (about 25 torch calls in its
+    twin :func:`reference_verify_sampled`, 0.5 ms a step with cold caches), with the same
+    uniforms and the same rule.
     """
+    return _verify_sampled(draft_token_ids, draft_probs, target_probs, generator, draft_vocab_ids, False)
+
+
+def reference_verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                             generator: torch.Generator | None,
+                             draft_vocab_ids: torch.Tensor | None = None) -> VerificationResult:
+    """:func:`verify_sampled` in torch ops (any device)."""
+    return _verify_sampled(draft_token_ids, draft_probs, target_probs, generator, draft_vocab_ids, True)
+
+
+def _verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    generator: torch.Generator | None, draft_vocab_ids: torch.Tensor | None,
+                    is_reference: bool) -> VerificationResult:
     num_draft = draft_token_ids.shape[0]
     device = target_probs.device
-    if num_draft:
-        idx = torch.arange(num_draft, device=device)
-        target_p = target_probs[idx, draft_token_ids]  # [k]
-        draft_cols = draft_token_ids if draft_vocab_ids is None else \
-            torch.searchsorted(draft_vocab_ids, draft_token_ids)
-        draft_p = draft_probs[idx, draft_cols]  # [k]
-        uniform = torch.rand(num_draft, generator=generator, device=device)
-        # accept iff u < target/draft, written without dividing by a zero draft probability
-        is_accepted = uniform * draft_p < target_p
-        num_accepted = int(is_accepted.int().cumprod(dim=0).sum())
+    # [k]; none drawn for no draft tokens, so such a step consumes one uniform, as plain sampling does
+    accept_uniform = torch.rand(num_draft, generator=generator, device=device) if num_draft else \
+        torch.empty(0, device=device)
+    is_kernel = (not is_reference and device.type == "cpu" and target_probs.dtype == torch.float32
+                 and draft_probs.dtype == torch.float32)
+    ext = load_x86_extension() if is_kernel else None
+    if ext is not None:
+        extra_uniform = torch.rand(1, generator=generator, dtype=torch.float64)  # as sample_from_probs draws
+        num_accepted, extra = ext.rejection_sample(draft_token_ids, draft_probs, draft_vocab_ids, target_probs,
+                                                   accept_uniform, extra_uniform)
     else:
-        num_accepted = 0
-    if num_accepted < num_draft:
-        if draft_vocab_ids is None:
-            residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp(min=0)  # [vocab_size]
+        num_accepted = _num_accepted(draft_token_ids, draft_probs, target_probs, accept_uniform, draft_vocab_ids)
+        if num_accepted < num_draft:
+            if draft_vocab_ids is None:
+                residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp(min=0)  # [vocab_size]
+            else:
+                residual = target_probs[num_accepted].index_add(0, draft_vocab_ids, draft_probs[num_accepted],
+                                                                alpha=-1).clamp(min=0)
+            # No mass left only if the distributions are equal, where rejection has probability 0.
+            # The draw scales by the row's sum, so the residual needs no normalizing.
+            dist = residual if bool(residual.sum() > 0) else target_probs[num_accepted]
         else:
-            residual = target_probs[num_accepted].index_add(0, draft_vocab_ids, draft_probs[num_accepted],
-                                                            alpha=-1).clamp(min=0)
-        total = residual.sum()
-        # total == 0 only if the distributions are equal, where rejection has probability 0.
-        dist = residual / total if total > 0 else target_probs[num_accepted]
-    else:
-        dist = target_probs[num_draft]
-    extra = int(sample_from_probs(dist, generator))
+            dist = target_probs[num_draft]
+        extra = int(reference_sample_from_probs(dist, generator))
     output = draft_token_ids[:num_accepted].tolist() + [extra]
     return VerificationResult(output, num_accepted, num_draft)
+
+
+def _num_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                  accept_uniform: torch.Tensor, draft_vocab_ids: torch.Tensor | None) -> int:
+    """The length of the accepted prefix: token i is accepted iff u_i < target_i / draft_i."""
+    num_draft = draft_token_ids.shape[0]
+    if not num_draft:
+        return 0
+    idx = torch.arange(num_draft, device=target_probs.device)
+    target_p = target_probs[idx, draft_token_ids]  # [k]
+    draft_cols = draft_token_ids if draft_vocab_ids is None else torch.searchsorted(draft_vocab_ids, draft_token_ids)
+    draft_p = draft_probs[idx, draft_cols]  # [k]
+    # accept iff u < target/draft, written without dividing by a zero draft probability
+    is_accepted = accept_uniform * draft_p < target_p
+    return int(is_accepted.int().cumprod(dim=0).sum())

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.spec.rejection_sampler import reference_verify_sampled, verify_greedy, verify_sampled
+
+# verify_sampled runs the C++ rejection_sample on the CPU; its twin runs torch ops. Both must
+# pass every statistical test, and give the same tokens from the same seed.
+VERIFIERS = [pytest.param(verify_sampled, id="kernel"), pytest.param(reference_verify_sampled, id="twin")]
 
 
 def test_greedy_accepts_the_matching_prefix_then_recovers():
@@ -18,21 +23,22 @@ def test_greedy_accepts_the_matching_prefix_then_recovers():
     assert result.num_accepted == 0 and result.output_token_ids == [3]
 
 
-def _emitted_histogram(target_probs, draft_probs, num_trials, seed):
+def _emitted_histogram(verify, target_probs, draft_probs, num_trials, seed):
     """Histogram of every token emitted over ``num_trials`` verification steps."""
     gen = torch.Generator().manual_seed(seed)
     k, vocab = draft_probs.shape
     counts = torch.zeros(vocab)
     for _ in range(num_trials):
         draft_ids = torch.stack([torch.multinomial(draft_probs[i], 1, generator=gen)[0] for i in range(k)])
-        result = verify_sampled(draft_ids, draft_probs, target_probs, gen)
+        result = verify(draft_ids, draft_probs, target_probs, gen)
         for token in result.output_token_ids:
             counts[token] += 1
     return counts / counts.sum()
 
 
+@pytest.mark.parametrize("verify", VERIFIERS)
 @pytest.mark.parametrize("k", [1, 3])
-def test_rejection_sampling_follows_the_target_distribution(k):
+def test_rejection_sampling_follows_the_target_distribution(k, verify):
     """As in vLLM's test: with the same target distribution at every position, every emitted
     token (accepted, recovered or bonus) is a draw from it, and the distance between the
     empirical and the target distribution shrinks as samples grow."""
@@ -43,7 +49,7 @@ def test_rejection_sampling_follows_the_target_distribution(k):
     target_probs = target.expand(k + 1, vocab)
     distances = []
     for num_trials in (100, 1000, 10000):
-        empirical = _emitted_histogram(target_probs, draft, num_trials, seed=num_trials)
+        empirical = _emitted_histogram(verify, target_probs, draft, num_trials, seed=num_trials)
         distances.append(0.5 * (empirical - target).abs().sum().item())  # total variation
     assert distances[0] > distances[1] > distances[2]
     assert distances[2] < 0.02
@@ -51,27 +57,30 @@ def test_rejection_sampling_follows_the_target_distribution(k):
     assert 0.5 * (draft[0] - target).abs().sum().item() > 0.1
 
 
-def test_rejection_handles_zero_draft_probability_and_point_mass_drafts():
+@pytest.mark.parametrize("verify", VERIFIERS)
+def test_rejection_handles_zero_draft_probability_and_point_mass_drafts(verify):
     target = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     point_mass = torch.tensor([[0.0, 1.0, 0.0]])  # e.g. an n-gram proposal
     gen = torch.Generator().manual_seed(1)
-    accepted = sum(verify_sampled(torch.tensor([1]), point_mass, target, gen).num_accepted for _ in range(2000))
+    accepted = sum(verify(torch.tensor([1]), point_mass, target, gen).num_accepted for _ in range(2000))
     assert 0.45 < accepted / 2000 < 0.55  # accepted with probability target[0, 1] = 0.5
     # a draft token the target gives probability 0 is always rejected, and never re-emitted
     for _ in range(50):
-        result = verify_sampled(torch.tensor([2]), torch.tensor([[0.0, 0.0, 1.0]]), target, gen)
+        result = verify(torch.tensor([2]), torch.tensor([[0.0, 0.0, 1.0]]), target, gen)
         assert result.num_accepted == 0 and result.output_token_ids[0] in (0, 1)
 
 
-def test_seeded_verification_is_reproducible():
+@pytest.mark.parametrize("verify", VERIFIERS)
+def test_seeded_verification_is_reproducible(verify):
     target = torch.softmax(torch.randn(4, 16), -1)
     draft = torch.softmax(torch.randn(3, 16), -1)
     ids = torch.tensor([1, 2, 3])
-    a = [verify_sampled(ids, draft, target, torch.Generator().manual_seed(5)).output_token_ids for _ in range(3)]
+    a = [verify(ids, draft, target, torch.Generator().manual_seed(5)).output_token_ids for _ in range(3)]
     assert a[0] == a[1] == a[2]
 
 
-def test_draft_probs_over_part_of_the_vocabulary_give_the_same_outcome_as_scattered_ones():
+@pytest.mark.parametrize("verify", VERIFIERS)
+def test_draft_probs_over_part_of_the_vocabulary_give_the_same_outcome_as_scattered_ones(verify):
     # A draft whose head keeps only some tokens hands over [k, draft_vocab] probabilities and
     # those tokens' ids; verification must equal verifying the zero-filled [k, vocab] rows.
     vocab, k = 12, 3
@@ -83,8 +92,35 @@ def test_draft_probs_over_part_of_the_vocabulary_give_the_same_outcome_as_scatte
         small = torch.softmax(torch.randn(k, len(draft_vocab_ids), generator=gen) * 2, -1)  # [k, draft_vocab]
         full = torch.zeros(k, vocab).index_copy_(1, draft_vocab_ids, small)  # [k, vocab]
         draft_ids = draft_vocab_ids[torch.multinomial(small, 1, generator=gen)[:, 0]]
-        a = verify_sampled(draft_ids, full, target_probs, torch.Generator().manual_seed(trial))
-        b = verify_sampled(draft_ids, small, target_probs, torch.Generator().manual_seed(trial), draft_vocab_ids)
+        a = verify(draft_ids, full, target_probs, torch.Generator().manual_seed(trial))
+        b = verify(draft_ids, small, target_probs, torch.Generator().manual_seed(trial), draft_vocab_ids)
         assert (a.output_token_ids, a.num_accepted) == (b.output_token_ids, b.num_accepted)
         num_rejected += a.num_accepted < k
     assert num_rejected > 50  # the residual path ran
+
+
+@pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable")
+@pytest.mark.parametrize("vocab,draft_vocab", [(12, None), (300, 96), (151_936, 32_768)])
+def test_rejection_sample_kernel_matches_its_twin(vocab, draft_vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    num_rejected = 0
+    for trial in range(60 if vocab < 1000 else 10):
+        k = trial % 5  # k = 0: a plain sampling step
+        target_probs = torch.softmax(torch.randn(k + 1, vocab, generator=gen) * 3, -1)
+        draft_vocab_ids = None
+        if draft_vocab is None:
+            draft_probs = torch.softmax(torch.randn(k, vocab, generator=gen) * 3, -1)
+            draft_ids = torch.multinomial(draft_probs, 1, generator=gen)[:, 0] if k else torch.zeros(0, dtype=torch.long)
+        else:
+            draft_vocab_ids = torch.sort(torch.randperm(vocab, generator=gen)[:draft_vocab]).values
+            # the draft agrees with the target on its tokens, more or less
+            logits = torch.log(target_probs[:k, draft_vocab_ids] + 1e-9) + torch.randn(k, draft_vocab, generator=gen)
+            draft_probs = torch.softmax(logits, -1)
+            cols = torch.multinomial(draft_probs, 1, generator=gen)[:, 0] if k else torch.zeros(0, dtype=torch.long)
+            draft_ids = draft_vocab_ids[cols]
+        a = verify_sampled(draft_ids, draft_probs, target_probs, torch.Generator().manual_seed(trial), draft_vocab_ids)
+        b = reference_verify_sampled(draft_ids, draft_probs, target_probs, torch.Generator().manual_seed(trial),
+                                     draft_vocab_ids)
+        assert (a.output_token_ids, a.num_accepted) == (b.output_token_ids, b.num_accepted)
+        num_rejected += a.num_accepted < k
+    assert num_rejected >= 2  # the residual path ran
