@@ -114,13 +114,14 @@ class LlamaModel(nn.Module):
         return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
 
     def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
-                    lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
+                    lm_head: nn.Module, num_logit_rows: int, is_model_unchanged: bool = False) -> torch.Tensor | None:
         """fp32 logits [num_logit_rows, vocab] of a decode or verification step run in one C++
         call from the token ids on (``FusedDecoder.logits``), or None when it cannot run there."""
         weight = self.embed_tokens.weight
         if not self.is_fused_decode_enabled:
             return None
-        fused = fused_decoder_for(self, self.layers, weight.dtype, weight.device, kv_cache, meta, min_rows)
+        fused = fused_decoder_for(self, self.layers, weight.dtype, weight.device, kv_cache, meta, min_rows,
+                                  is_model_unchanged)
         if fused is None:
             return None
         return fused.logits(input_ids, kv_cache, meta, self.embed_tokens, self.rotary_emb, self.norm, lm_head,
@@ -189,10 +190,14 @@ class LlamaForCausalLM(nn.Module):
         return logits.view(*hidden_states.shape[:-1], -1)
 
     def decode_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                      num_logit_rows: int | None = None) -> torch.Tensor:
+                      num_logit_rows: int | None = None, is_model_unchanged: bool = False) -> torch.Tensor:
         """fp32 logits [num_logit_rows, vocab_size] of the last rows (default: all) of a
         batch-1 pass: ``compute_logits(forward(...))``, bit for bit, but for decode and
-        verification steps run as one C++ call with the LM head inside the decoder's region."""
+        verification steps run as one C++ call with the LM head inside the decoder's region.
+
+        ``is_model_unchanged``: the caller knows no module of the model was replaced since its
+        previous call (the later steps of one draft proposal, with no other code between), so
+        the C++ decoder is not checked against the modules again."""
         num_tokens = input_ids.shape[1]
         rows = num_tokens if num_logit_rows is None else num_logit_rows
         if input_ids.shape[0] != 1 or not 1 <= rows <= num_tokens:
@@ -200,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
                              f"batch {input_ids.shape[0]} and {rows} rows")
         if has_hooks(self) or has_hooks(self.model):  # observed calls go through forward
             return self.compute_logits(self(input_ids, kv_cache, meta)[0, num_tokens - rows:])
-        logits = self.model.step_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
+        logits = self.model.step_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows,
+                                        is_model_unchanged)
         if logits is not None:
             return logits
         out, is_logits = self.model.forward_to(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)

@@ -77,7 +77,9 @@ class DraftModelProposer:
         is_confident: list[bool] = []
         for step in range(num_tokens):
             meta = self.kv_cache.append(input_ids.shape[1])
-            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1)  # [1, draft_vocab]
+            # Nothing runs between one proposal's steps that could replace the draft's modules.
+            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1,
+                                              is_model_unchanged=step > 0)  # [1, draft_vocab]
             if params.is_greedy:
                 probs = None
                 next_id = greedy_ids(logits)  # [1]
