@@ -351,8 +351,6 @@ std::pair<int64_t, int64_t> unit_share(int tid, int num_threads, int64_t n, int6
 // more on the critical path than it saved (issuing 4096 prefetches stalls the thread).
 constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
 
-// With final_norm defined, returns the normed hidden states; with a weight-only head too, the
-// logits of the last num_logit_rows rows, the head run inside the region like a projection.
 // Each layer's part of one sequence's KV cache as the kernels take it: [kv_heads, max_seq_len,
 // head_dim] (k, v) and [1, ...] (k4, v4). Made once per cache by a DecoderStep: with the weights
 // streaming through the caches, the 4 views per layer cost about 0.1 ms a step when made afresh.
@@ -374,6 +372,8 @@ struct LayerCaches {
   }
 };
 
+// With final_norm defined, returns the normed hidden states; with a weight-only head too, the
+// logits of the last num_logit_rows rows, the head run inside the region like a projection.
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
                                      const torch::Tensor& cos, const torch::Tensor& sin, const LayerCaches& caches,
                                      int64_t start, const torch::Tensor& final_norm,
