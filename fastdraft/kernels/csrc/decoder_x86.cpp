@@ -710,18 +710,20 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// One inverse-CDF draw from row [n] (probabilities, not necessarily normalized) with u in
-// [0, 1): the first token whose float64 running sum exceeds u * (row total), never a
-// zero-probability token -- layers.sampler.reference_sample_from_probs' rule. Blocks of 128
-// tokens: only block sums (8 float64 lanes wide) and one block's running sum are accumulated.
-int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& block_cdf) {
-  constexpr int64_t kBlock = 128;
-  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+// Inverse-CDF draws, the rule of layers.sampler.reference_sample_from_probs: from a row [n] of
+// probabilities (not necessarily normalized) and u in [0, 1), the first token whose float64
+// running sum exceeds u * (row total), never a zero-probability token. Blocks of 128 tokens:
+// only block sums (8 float64 lanes wide) and one block's running sum are accumulated.
+constexpr int64_t kCdfBlock = 128;
+
+// Fills block_cdf with the row's running block sums; returns the row total.
+double block_cdf_of(const float* row, int64_t n, std::vector<double>& block_cdf) {
+  const int64_t num_blocks = (n + kCdfBlock - 1) / kCdfBlock;
   block_cdf.resize(num_blocks);
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* p = row + b * kBlock;
-    const int64_t len = std::min(kBlock, n - b * kBlock);
+    const float* p = row + b * kCdfBlock;
+    const int64_t len = std::min(kCdfBlock, n - b * kCdfBlock);
     int64_t j = 0;
     __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
     for (; j + 16 <= len; j += 16) {
@@ -733,7 +735,13 @@ int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& b
     total += sum;
     block_cdf[b] = total;
   }
+  return total;
+}
+
+// The draw for u from a row whose block_cdf_of gave block_cdf and total (> 0).
+int64_t search_cdf(const float* row, int64_t n, double u, double total, const std::vector<double>& block_cdf) {
   TORCH_CHECK(total > 0.0, "a row of probabilities sums to ", total);
+  const int64_t num_blocks = static_cast<int64_t>(block_cdf.size());
   const double point = u * total;
   // The first block whose CDF passes the point; a zero-mass block repeats its predecessor's
   // entry, so it is never the first. Past the end only by rounding: the last block with mass.
@@ -743,8 +751,8 @@ int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& b
     while (b > 0 && block_cdf[b] == block_cdf[b - 1]) --b;
   }
   const double rest = point - (b > 0 ? block_cdf[b - 1] : 0.0);
-  const float* p = row + b * kBlock;
-  const int64_t len = std::min(kBlock, n - b * kBlock);
+  const float* p = row + b * kCdfBlock;
+  const int64_t len = std::min(kCdfBlock, n - b * kCdfBlock);
   int64_t chosen = -1, last_nonzero = -1;
   double running = 0.0;
   for (int64_t j = 0; j < len; ++j) {
@@ -755,7 +763,12 @@ int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& b
   // The block's sequential sum may round below its block sum: never step past its last
   // token of nonzero probability.
   if (chosen < 0 || chosen > last_nonzero) chosen = last_nonzero;
-  return b * kBlock + chosen;
+  return b * kCdfBlock + chosen;
+}
+
+int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& block_cdf) {
+  const double total = block_cdf_of(row, n, block_cdf);
+  return search_cdf(row, n, u, total, block_cdf);
 }
 
 // One draw per row of probs [rows, n] fp32 with uniform [rows] float64 (sample_row).
@@ -769,9 +782,11 @@ torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& unifo
   auto sizes = pc.sizes().vec();
   sizes.pop_back();
   auto out = torch::empty(sizes, pc.options().dtype(torch::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  const float* p = pc.data_ptr<float>();
+  const double* u = uc.data_ptr<double>();
   std::vector<double> block_cdf;
-  for (int64_t r = 0; r < rows; ++r)
-    out.data_ptr<int64_t>()[r] = sample_row(pc.data_ptr<float>() + r * n, n, uc.data_ptr<double>()[r], block_cdf);
+  for (int64_t r = 0; r < rows; ++r) result[r] = sample_row(p + r * n, n, u[r], block_cdf);
   return out;
 }
 
@@ -831,10 +846,10 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
     const int64_t token = has_map ? vocab_ids[j] : j;
     residual[token] = std::max(residual[token] - draft_row[j], 0.0f);
   }
-  bool has_mass = false;
-  for (int64_t j = 0; j < vocab && !has_mass; ++j) has_mass = residual[j] > 0.0f;
   // No mass left only if the distributions are equal, where rejection has probability 0.
-  return {num_accepted, sample_row(has_mass ? residual.data() : target_row, vocab, u, block_cdf)};
+  const double residual_total = block_cdf_of(residual.data(), vocab, block_cdf);
+  if (!(residual_total > 0.0)) return {num_accepted, sample_row(target_row, vocab, u, block_cdf)};
+  return {num_accepted, search_cdf(residual.data(), vocab, u, residual_total, block_cdf)};
 }
 
 void bind_decoder(pybind11::module& m) {
