@@ -123,12 +123,14 @@ class FusedDecoder:
         ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in layers]
         return None if any(op is None for op in ops) else cls(ext, ops, dtype, device, min_rows)
 
+    def is_fusable_norm(self, norm: nn.Module) -> bool:
+        """Whether the final norm can run inside the C++ call (else it runs in Python)."""
+        weight = getattr(norm, "weight", None)
+        return weight is not None and not has_hooks(norm) and weight.dtype == self.dtype and weight.is_contiguous()
+
     def norm_args(self, norm: nn.Module) -> tuple[torch.Tensor, float] | None:
         """The final norm as the C++ call takes it, or None if it must run in Python."""
-        weight = getattr(norm, "weight", None)
-        if weight is None or has_hooks(norm) or weight.dtype != self.dtype or not weight.is_contiguous():
-            return None
-        return weight.detach(), norm.eps
+        return (norm.weight.detach(), norm.eps) if self.is_fusable_norm(norm) else None
 
     def head_op(self, lm_head: nn.Module):
         """The C++ op of ``lm_head`` (cached while the module stays the same), or None."""
@@ -150,7 +152,6 @@ class FusedDecoder:
                                         kv_cache.v[:, slot], meta.contiguous_start, weight, eps, head,
                                         num_logit_rows)
 
-
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, embed: nn.Embedding,
                rotary: nn.Module, norm: nn.Module, lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
         """fp32 logits [num_logit_rows, out_features] of a whole step from ``input_ids``
@@ -159,8 +160,7 @@ class FusedDecoder:
         while the cache slot, the embedding, the rotary table and the head stay the same."""
         if has_hooks(embed) or embed.weight.dtype != self.dtype or not embed.weight.is_contiguous():
             return None
-        norm_args = self.norm_args(norm)
-        head = self.head_op(lm_head) if norm_args is not None else None
+        head = self.head_op(lm_head) if self.is_fusable_norm(norm) else None
         if head is None:
             return None
         num_tokens = input_ids.shape[1]
@@ -169,7 +169,7 @@ class FusedDecoder:
         key = (kv_cache.k, kv_cache.v, slot, embed.weight, cos, norm.weight, head)  # compared by identity
         if self._step is None or any(a is not b for a, b in zip(self._step[0], key)):
             step = self.ext.DecoderStep(self.layer_ops, embed.weight.detach(), cos, sin, kv_cache.k[:, slot],
-                                        kv_cache.v[:, slot], norm_args[0], norm_args[1], head)
+                                        kv_cache.v[:, slot], norm.weight.detach(), norm.eps, head)
             self._step = (key, step)
         return self._step[1].logits(input_ids.view(-1), meta.contiguous_start, num_logit_rows)
 
