@@ -265,8 +265,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         try:
             import llama_cpp  # noqa: F401
             setups["llama.cpp"] = lambda: setup_llama_cpp(name, args)
-        except ImportError:
-            print("llama_cpp is not importable: skipping llama.cpp")
+        except ImportError as exc:  # absent, or installed without its own dependencies
+            print(f"llama_cpp is not importable ({exc}): skipping llama.cpp")
     results: dict[str, dict | str] = {}
     systems: dict[str, System] = {}
     for system, setup in setups.items():
