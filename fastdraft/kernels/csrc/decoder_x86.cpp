@@ -680,8 +680,9 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   sizes.pop_back();
   auto out = torch::empty(sizes, xc.options().dtype(torch::kLong));
   int64_t* result = out.data_ptr<int64_t>();
+  const float* x_data = xc.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xc.data_ptr<float>() + r * n;
+    const float* row = x_data + r * n;
     int64_t found = -1;
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t i = 0;
@@ -821,9 +822,11 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
   const int64_t* vocab_ids = has_map ? map.data_ptr<int64_t>() : nullptr;
   const float* t = target.data_ptr<float>();
   const float* d = draft.data_ptr<float>();
+  const int64_t* draft_tokens = ids.data_ptr<int64_t>();
+  const float* u_accept = us.data_ptr<float>();
   int64_t num_accepted = 0;
   for (; num_accepted < k; ++num_accepted) {
-    const int64_t i = num_accepted, token = ids.data_ptr<int64_t>()[i];
+    const int64_t i = num_accepted, token = draft_tokens[i];
     TORCH_CHECK(token >= 0 && token < vocab, "draft token ", token, " is outside the vocabulary");
     int64_t col = token;
     if (has_map) {
@@ -833,7 +836,7 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
       TORCH_CHECK(col < draft_vocab, "draft token ", token, " is outside the draft's vocabulary");
     }
     // accept iff u < target / draft, written without dividing by a zero draft probability
-    if (!(us.data_ptr<float>()[i] * d[i * draft_vocab + col] < t[i * vocab + token])) break;
+    if (!(u_accept[i] * d[i * draft_vocab + col] < t[i * vocab + token])) break;
   }
   std::vector<double> block_cdf;
   const double u = extra_uniform.data_ptr<double>()[0];
