@@ -38,28 +38,33 @@ class AttentionMetadata:
     def __init__(self, positions: torch.Tensor, slot_ids: torch.Tensor, context_len: int,
                  contiguous_start: int | None = None, attn_mask: torch.Tensor | None = None,
                  is_prefill: bool = False) -> None:
+        batch_size, num_tokens = positions.shape
+        slot = int(slot_ids[0]) if contiguous_start is not None else None
+        self._set_fields(positions, slot_ids, attn_mask, batch_size, num_tokens, context_len, contiguous_start,
+                         is_prefill, slot, positions.device, is_mask_pending=False)
+
+    def _set_fields(self, positions: torch.Tensor | None, slot_ids: torch.Tensor | None,
+                    attn_mask: torch.Tensor | None, batch_size: int, num_tokens: int, context_len: int,
+                    contiguous_start: int | None, is_prefill: bool, slot: int | None, device: torch.device,
+                    is_mask_pending: bool) -> None:
+        # The one place every field is set: __init__ and contiguous() both come through here.
         self._positions, self._slot_ids, self._attn_mask = positions, slot_ids, attn_mask
-        self.batch_size, self.num_tokens = positions.shape
+        self.batch_size, self.num_tokens = batch_size, num_tokens
         self.context_len = context_len
         self.contiguous_start = contiguous_start
         self.is_prefill = is_prefill
-        self.slot = int(slot_ids[0]) if contiguous_start is not None else None
-        self.device = positions.device
-        self._is_mask_pending = False
+        self.slot = slot
+        self.device = device
+        self._is_mask_pending = is_mask_pending
 
     @classmethod
     def contiguous(cls, start: int, num_tokens: int, slot: int = 0,
                    device: torch.device | str = "cpu") -> "AttentionMetadata":
         """One sequence in ``slot`` appending ``num_tokens`` tokens after ``start`` cached ones."""
-        meta = cls.__new__(cls)
-        meta._positions = meta._slot_ids = meta._attn_mask = None
-        meta.batch_size, meta.num_tokens = 1, num_tokens
-        meta.context_len = start + num_tokens
-        meta.contiguous_start = start
-        meta.is_prefill = start == 0 and num_tokens > 1
-        meta.slot = slot
-        meta.device = torch.device(device)
-        meta._is_mask_pending = num_tokens > 1 and not meta.is_prefill
+        meta = cls.__new__(cls)  # no tensors yet: they are built on first read
+        is_prefill = start == 0 and num_tokens > 1
+        meta._set_fields(None, None, None, 1, num_tokens, start + num_tokens, start, is_prefill, slot,
+                         torch.device(device), is_mask_pending=num_tokens > 1 and not is_prefill)
         return meta
 
     @classmethod

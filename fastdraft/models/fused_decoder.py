@@ -111,8 +111,9 @@ class FusedDecoder:
         self.layer_ops = layer_ops
         self.dtype, self.device, self.min_rows = dtype, device, min_rows
         self._head: tuple[nn.Module, object] | None = None  # (LM head module, its C++ op)
-        # (the tensors and ops a C++ DecoderStep was built from, the step): one KV cache slot
-        self._step: tuple[tuple, object] | None = None
+        # (the tensors and ops a C++ DecoderStep was built from, the slot, storages and eps,
+        # the step): one KV cache slot
+        self._step: tuple[tuple, tuple, object] | None = None
 
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
@@ -166,12 +167,16 @@ class FusedDecoder:
         num_tokens = input_ids.shape[1]
         cos, sin = rotary.tables(meta.contiguous_start + num_tokens, self.dtype, self.device)
         slot = meta.slot
-        key = (kv_cache.k, kv_cache.v, slot, embed.weight, cos, norm.weight, head)  # compared by identity
-        if self._step is None or any(a is not b for a, b in zip(self._step[0], key)):
+        # Tensors and ops compared by identity; the weights also by storage and the eps by value,
+        # so that an in-place `.data` swap or a changed eps builds a new step.
+        key = (kv_cache.k, kv_cache.v, cos, head, embed.weight, norm.weight)
+        values = (slot, embed.weight.data_ptr(), norm.weight.data_ptr(), norm.eps)
+        if (self._step is None or any(a is not b for a, b in zip(self._step[0], key))
+                or self._step[1] != values):
             step = self.ext.DecoderStep(self.layer_ops, embed.weight.detach(), cos, sin, kv_cache.k[:, slot],
                                         kv_cache.v[:, slot], norm.weight.detach(), norm.eps, head)
-            self._step = (key, step)
-        return self._step[1].logits(input_ids.view(-1), meta.contiguous_start, num_logit_rows)
+            self._step = (key, values, step)
+        return self._step[2].logits(input_ids.view(-1), meta.contiguous_start, num_logit_rows)
 
 
 def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,

@@ -181,17 +181,52 @@ def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models
     for got, want in _decode_logits_both_paths(model, steps):
         assert torch.equal(got, want)
     decoder = model.model.__dict__["_fused_decoder"][1]
-    step = decoder._step[1]
+    step = decoder._step[2]
     other = KVCache.from_config(model.config, 64, dtype=model.dtype)
     with torch.inference_mode():
         model(torch.zeros(1, 3, dtype=torch.long), other, other.append(3))
         model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
-        assert decoder._step[1] is not step
-        step = decoder._step[1]
+        assert decoder._step[2] is not step
+        step = decoder._step[2]
         model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
-        assert decoder._step[1] is step
+        assert decoder._step[2] is step
     for got, want in _decode_logits_both_paths(model, [(1, 1), (2, 1)], seed=3):  # back on other caches
         assert torch.equal(got, want)
+
+
+def test_decoder_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_models):
+    # The step holds the final norm's and the embedding's storage: a `.data` swap (same
+    # Parameter objects, same caches) or a new eps must not leave it computing with old values.
+    model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    norm, embed = model.model.norm, model.model.embed_tokens
+
+    def step_both_paths() -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (1, 1), generator=gen)
+        got = model.decode_logits(ids, caches[0], caches[0].append(1))
+        model.model.is_fused_decode_enabled = False
+        want = model.compute_logits(model(ids, caches[1], caches[1].append(1))[0, -1:])
+        model.model.is_fused_decode_enabled = True
+        return got, want
+
+    with torch.inference_mode():
+        prompt = torch.randint(0, vocab, (1, 5), generator=gen)
+        for cache in caches:
+            model(prompt, cache, cache.append(5))
+        got, want = step_both_paths()
+        assert torch.equal(got, want)
+        norm.weight.data = torch.rand(norm.weight.shape, generator=gen).to(model.dtype) + 0.5
+        got, want = step_both_paths()
+        assert torch.equal(got, want)
+        norm.eps = 0.25
+        got, want = step_both_paths()
+        assert torch.equal(got, want)
+        if getattr(model.lm_head, "weight", None) is not embed.weight:  # a tied head is packed from the old values
+            embed.weight.data = torch.randn(embed.weight.shape, generator=gen).to(model.dtype)
+            got, want = step_both_paths()
+            assert torch.equal(got, want)
 
 
 def test_decoder_step_rejects_token_ids_outside_the_vocabulary(tiny_models):
