@@ -92,8 +92,8 @@ def one_run(stream: TokenStream, prompt_ids: list[int], new_tokens: int) -> dict
 
 
 def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: argparse.Namespace) -> dict:
-    """``args.repeats`` rounds; each round runs every system once, right after measuring the
-    memory bandwidth, so each system is compared with the bandwidth of its own moment (this
+    """``args.repeats`` rounds; each round runs every system once, between two measurements of
+    the memory bandwidth, so each system is compared with the bandwidth of its own moment (this
     VM's bandwidth swings by 2x within minutes). Medians over rounds."""
     for system in systems.values():  # warm-up: first-call allocations, kernel builds, fusion
         for _ in system.stream(prompt_ids[:32], 4):
@@ -102,9 +102,13 @@ def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: arg
     for _ in range(args.repeats):
         for name, system in systems.items():
             bandwidth = measure_bandwidth(gib=0.5, repeats=5)
-            runs[name].append({**one_run(system.stream, prompt_ids, args.new_tokens), "bandwidth": bandwidth})
-            print(f"  {name}: {runs[name][-1]['token_latency_s'] * 1e3:.1f} ms/token at "
-                  f"{bandwidth / 1e9:.1f} GB/s", flush=True)
+            run = one_run(system.stream, prompt_ids, args.new_tokens)
+            # A second probe right after: the state switches machine-wide every ~10 s, so a
+            # round whose two probes differ may have run in either state (or both).
+            run.update(bandwidth=bandwidth, bandwidth_after=measure_bandwidth(gib=0.5, repeats=5))
+            runs[name].append(run)
+            print(f"  {name}: {run['token_latency_s'] * 1e3:.1f} ms/token, probes {bandwidth / 1e9:.1f} "
+                  f"before and {run['bandwidth_after'] / 1e9:.1f} GB/s after", flush=True)
     results = {}
     for name, system in systems.items():
         rs = runs[name]
@@ -211,6 +215,23 @@ def _median_fraction(result: dict, bytes_per_token: int) -> float:
     return statistics.median(bytes_per_token / run["token_latency_s"] / run["bandwidth"] for run in result["runs"])
 
 
+STABLE_PROBES = 0.15  # a round's probes before and after within 15%: one memory state throughout
+FAST_STATE_GB_S = 45.0  # this VM's slow state probes at 29-36 GB/s, its fast one at 55-69
+
+
+def stable_round_fractions(result: dict, bytes_per_token: int) -> dict[str, list[float]]:
+    """Per memory state ("slow", "fast"), each state-stable round's rate over the mean of its
+    two probes: the rounds the probe before cannot have misjudged."""
+    fractions: dict[str, list[float]] = {"slow": [], "fast": []}
+    for run in result["runs"]:
+        before, after = run["bandwidth"], run["bandwidth_after"]
+        if abs(after / before - 1) <= STABLE_PROBES:
+            probe = (before + after) / 2
+            state = "fast" if probe / 1e9 >= FAST_STATE_GB_S else "slow"
+            fractions[state].append(bytes_per_token / run["token_latency_s"] / probe)
+    return fractions
+
+
 def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int) -> None:
     print(f"\n### {name}  (prompt {num_prompt} tok)\n")
     print("| system | prefill tok/s | TTFT ms | decode ms/token (median) | decode tok/s "
@@ -233,6 +254,15 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int) -> Non
               f"{gbs / 1e9:.1f} | {r['bandwidth'] / 1e9:.1f} | {100 * r['bandwidth_fraction']:.0f}% | "
               f"{100 * r['bandwidth_fraction_with_kv']:.0f}% (+{kv_bytes / 1e6:.0f} MB) |")
     print("\n(% of measured BW: median over rounds of the round's rate / the probe just before it)\n")
+    for system, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        r["stable_round_fractions"] = stable = stable_round_fractions(r, r["weight_bytes"])
+        parts = [f"{state} {len(f)} (median {100 * statistics.median(f):.0f}%)" if f else f"{state} 0"
+                 for state, f in stable.items()]
+        print(f"{system}: rounds whose probes before and after agree within {100 * STABLE_PROBES:.0f}%, "
+              f"by state: {', '.join(parts)} of {len(r['runs'])}")
+    print()
     ours = [s for s in results if s.startswith("fastdraft") and isinstance(results[s], dict)]
     for system in ours:
         for other in ("transformers", "llama.cpp", "fastdraft"):
