@@ -15,7 +15,7 @@ from fastdraft.quant.format import QuantizedWeight, dequantize
 
 class ReferenceKernel(WeightOnlyKernel):
     name = "reference"
-    capabilities = KernelCapabilities(bits=(4, 8), is_asym_supported=True, group_sizes=None,
+    capabilities = KernelCapabilities(bits=(4, 6, 8), is_asym_supported=True, group_sizes=None,
                                       activation_dtypes=(torch.float32, torch.bfloat16, torch.float16),
                                       device_types=("cpu", "cuda"), priority=0)
 

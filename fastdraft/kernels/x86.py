@@ -1,4 +1,4 @@
-"""fastdraft's own INT4/INT8 weight-only kernels for x86-64 (AVX-512 + VNNI), C++ in ``csrc/``.
+"""fastdraft's own INT4/INT6/INT8 weight-only kernels for x86-64 (AVX-512 + VNNI), C++ in ``csrc/``.
 
 Repacked layout (built once per layer by :func:`repack`)
 --------------------------------------------------------
@@ -9,6 +9,9 @@ Repacked layout (built once per layer by :func:`repack`)
   16 rows at once by 4 broadcast activation bytes.
   INT4: a chunk covers 8 input channels, byte ``j`` of row ``n`` holds ``q[n, 8c+j]`` in its
   low nibble and ``q[n, 8c+4+j]`` in its high nibble. INT8: 4 channels, stored as ``q + 128``.
+  INT6 (values 0..63): a chunk is 96 bytes, INT4's 64 bytes of low nibbles, then 32 bytes of
+  the values' bits 4-5: byte ``i`` holds, from bit 0, those of the low and the high nibble of
+  nibble byte ``i``, then of nibble byte ``i + 32`` (the kernel spreads them with two shifts).
 * ``scales`` float16 ``[num_tiles, num_groups, 16]``, ``zeros`` uint8 likewise (asymmetric INT4).
 
 Math
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import cpu_flags, load_x86_extension
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.quant.format import QuantizedWeight, unpack_int4
+from fastdraft.quant.format import QuantizedWeight, unpack_int4, unpack_int6
 
 TILE = 16
 K_ALIGN = 128
@@ -51,7 +54,7 @@ def default_large_m() -> int | None:
 class PackedWeight:
     """A weight in the kernel's layout, with the geometry the C++ needs."""
 
-    packed: torch.Tensor  # uint8 [num_tiles, num_chunks, 16, 4]
+    packed: torch.Tensor  # uint8 [num_tiles, num_chunks, 16, 4] ([num_tiles, num_chunks, 96] for INT6)
     scales: torch.Tensor  # float16 [num_tiles, num_groups, 16]
     zeros: torch.Tensor  # uint8 [num_tiles, num_groups, 16]; empty when the zero point is constant
     bits: int
@@ -60,13 +63,24 @@ class PackedWeight:
     k_pad: int
     block: int  # activation quantization block, divides group
     group: int  # group size in the padded layout (k_pad when per-channel)
-    zero_const: float  # zero point when ``zeros`` is empty: 8 (symmetric INT4) or 128 (INT8)
+    zero_const: float  # zero point when ``zeros`` is empty: 8 (symmetric INT4), 32 (INT6) or 128 (INT8)
 
 
 def _tile_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
     """[N, X] -> [num_tiles, X, 16] with zero rows appended up to n_pad."""
     t = F.pad(t, (0, 0, 0, n_pad - t.shape[0]))
     return t.reshape(n_pad // TILE, TILE, -1).transpose(1, 2).contiguous()
+
+
+def _int6_chunks(q: torch.Tensor) -> torch.Tensor:
+    """INT6 values [tiles, 16, chunks, 2, 4] (k = 8c + 4h + j) -> [tiles, chunks, 96] bytes."""
+    q = q.permute(0, 2, 1, 3, 4)  # [tiles, chunks, 16 rows, h, j]
+    lo = q[..., 0, :].flatten(-2)  # [tiles, chunks, 64]: nibble byte p = 4 * row + j
+    hi = q[..., 1, :].flatten(-2)
+    nibbles = (lo & 15) | ((hi & 15) << 4)
+    fields = (lo >> 4) | ((hi >> 4) << 2)  # [tiles, chunks, 64], 4 bits each
+    high_bytes = fields[..., :32] | (fields[..., 32:] << 4)  # [tiles, chunks, 32]
+    return torch.cat((nibbles, high_bytes), dim=-1).contiguous()
 
 
 def repack(qw: QuantizedWeight) -> PackedWeight:
@@ -83,15 +97,21 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
     if qw.bits == 4:
         q = unpack_int4(qw.qweight)  # [N, K] 0..15
         pad_value = 8 if qw.is_sym else 0
+    elif qw.bits == 6:
+        q = unpack_int6(qw.qweight)  # [N, K] 0..63
+        pad_value = 32
     else:
         q = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)  # [N, K] 1..255
         pad_value = 128
     q = F.pad(q, (0, k_pad - k, 0, n_pad - n), value=pad_value)
     q = q.reshape(n_pad // TILE, TILE, -1, 4)  # [tiles, 16, k_pad / 4, 4]
-    if qw.bits == 4:
-        q = q.reshape(n_pad // TILE, TILE, k_pad // 8, 2, 4)  # k = 8c + 4h + j
-        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [tiles, 16, chunks, 4]
-    packed = q.transpose(1, 2).contiguous()  # [tiles, chunks, 16, 4]
+    if qw.bits == 6:
+        packed = _int6_chunks(q.reshape(n_pad // TILE, TILE, k_pad // 8, 2, 4))
+    else:
+        if qw.bits == 4:
+            q = q.reshape(n_pad // TILE, TILE, k_pad // 8, 2, 4)  # k = 8c + 4h + j
+            q = q[..., 0, :] | (q[..., 1, :] << 4)  # [tiles, 16, chunks, 4]
+        packed = q.transpose(1, 2).contiguous()  # [tiles, chunks, 16, 4]
 
     def per_group(t: torch.Tensor, fill: float) -> torch.Tensor:
         t = F.pad(t, (0, num_groups - t.shape[1]), value=fill)  # padded groups of zeros (K tail)
@@ -99,7 +119,7 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
 
     scales = per_group(qw.scales.to(torch.float16), 0.0)
     zeros = per_group(qw.zeros, 0) if qw.zeros is not None else torch.empty(0, dtype=torch.uint8)
-    zero_const = 128.0 if qw.bits == 8 else 8.0
+    zero_const = {4: 8.0, 6: 32.0, 8: 128.0}[qw.bits]
     # Decode streams ``packed`` once per token: keep it on huge pages (see kernels.memory).
     return PackedWeight(huge_page_copy(packed), scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
 
@@ -117,6 +137,8 @@ def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if qw.bits == 4:
         wq = unpack_int4(qw.qweight).double()
         zero = torch.full_like(qw.scales, 8, dtype=torch.float64) if qw.zeros is None else qw.zeros.double()
+    elif qw.bits == 6:
+        wq, zero = unpack_int6(qw.qweight).double(), torch.full_like(qw.scales, 32, dtype=torch.float64)
     else:
         wq, zero = qw.qweight.double(), torch.zeros_like(qw.scales, dtype=torch.float64)
     w = F.pad(wq, (0, k_pad - k)).reshape(qw.out_features, -1, block)  # [N, num_blocks, block]
@@ -133,10 +155,10 @@ def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 class X86WoqKernel(WeightOnlyKernel):
-    """AVX-512 VNNI INT4/INT8 GEMV and small-M GEMM; dequantize + oneDNN GEMM for large M."""
+    """AVX-512 VNNI INT4/INT6/INT8 GEMV and small-M GEMM; dequantize + oneDNN GEMM for large M."""
 
     name = "x86-vnni"
-    capabilities = KernelCapabilities(bits=(4, 8), is_asym_supported=True, group_sizes=None,
+    capabilities = KernelCapabilities(bits=(4, 6, 8), is_asym_supported=True, group_sizes=None,
                                       activation_dtypes=(torch.float32, torch.bfloat16),
                                       device_types=("cpu",), priority=20, is_row_invariant=True,
                                       is_activation_quantized=True)
@@ -147,7 +169,7 @@ class X86WoqKernel(WeightOnlyKernel):
 
     @classmethod
     def supports(cls, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        if qw.bits == 8 and not qw.is_sym:
+        if qw.bits in (6, 8) and not qw.is_sym:
             return False
         return super().supports(qw, dtype, device)
 

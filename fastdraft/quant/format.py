@@ -29,6 +29,15 @@ With float zeros the zero point is not rounded: ``zero = fp16(-min / scale)`` an
 is ``(max - min) / L`` for the ``L`` in 9..15 with the least squared error, so a group already
 on a 4-bit min/scale grid (a Q4_K sub-block) is kept exactly.
 
+INT6 (``bits=6``)
+-----------------
+Symmetric only, for LM heads (as llama.cpp keeps a Q4_K_M model's output at Q6_K): the INT4
+groups and rule with 64 levels. ``qweight`` is uint8 ``[N, 3K / 4]``: each 3 bytes hold 4
+consecutive values, ``q[4i] | q[4i+1] << 6 | q[4i+2] << 12 | q[4i+3] << 18`` as a little-endian
+24-bit integer; ``q`` is in 0..63 and the zero point the constant 32. ``scale = m / -32`` for
+the signed value of largest magnitude ``m``, ``q = clamp(round(w / scale) + 32, 0, 63)``,
+``W = (q - 32) * scale``.
+
 INT8 (``bits=8``)
 -----------------
 Symmetric only: ``qweight`` is int8 ``[N, K]``, ``scales`` float16 ``[N, num_groups]``,
@@ -112,15 +121,36 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def int4_params(w: torch.Tensor, sym: bool, float_zeros: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int6(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..63 ``[N, K]`` -> packed uint8 ``[N, 3K / 4]`` (4 values in 3 bytes)."""
+    if q.shape[-1] % 4:
+        raise ValueError("INT6 packing needs in_features divisible by 4")
+    q = q.to(torch.int32).reshape(*q.shape[:-1], -1, 4)  # [N, K / 4, 4]
+    word = q[..., 0] | (q[..., 1] << 6) | (q[..., 2] << 12) | (q[..., 3] << 18)  # 24 bits
+    packed = torch.stack((word & 0xFF, (word >> 8) & 0xFF, word >> 16), dim=-1)  # [N, K / 4, 3]
+    return packed.to(torch.uint8).flatten(-2)
+
+
+def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 ``[N, 3K / 4]`` -> uint8 values ``[N, K]``."""
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)  # [N, K / 4, 3]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    q = torch.stack([(word >> (6 * i)) & 63 for i in range(4)], dim=-1)  # [N, K / 4, 4]
+    return q.to(torch.uint8).flatten(-2)
+
+
+def int4_params(w: torch.Tensor, sym: bool, float_zeros: bool = False,
+                bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32.
-    Float zeros come back rounded to their stored float16 (the scale is rounded by callers)."""
+    Float zeros come back rounded to their stored float16 (the scale is rounded by callers).
+    ``bits=6`` (symmetric only): the same rule over 64 levels."""
     if sym:
+        half = float(2 ** (bits - 1))  # the zero point: 8 (INT4) or 32 (INT6)
         idx = w.abs().argmax(dim=-1, keepdim=True)
         signed_max = w.gather(-1, idx).squeeze(-1)
-        scale = signed_max / -8.0
+        scale = signed_max / -half
         scale = torch.where(scale.abs() < _MIN_SCALE, torch.full_like(scale, _MIN_SCALE), scale)
-        return scale, torch.full_like(scale, 8.0)
+        return scale, torch.full_like(scale, half)
     w_min, w_max = w.amin(dim=-1), w.amax(dim=-1)
     if float_zeros:
         return _float_zero_params(w, w_min, w_max)
@@ -169,13 +199,20 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     """Round-to-nearest reference quantizer for a ``[N, K]`` weight."""
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits not in (4, 6, 8):
+        raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
     if float_zeros and (sym or bits != 4):
         raise ValueError("float zero points apply to asymmetric INT4 only")
     n, k = weight.shape
     g = resolve_group_size(group_size, k)
     w = weight.detach().float().reshape(n, k // g, g)  # [N, num_groups, G]
+    if bits == 6:
+        if not sym:
+            raise ValueError("INT6 weight-only quantization is symmetric only")
+        scale, zero = int4_params(w, sym=True, bits=6)
+        scale = scale.to(SCALE_DTYPE)
+        q = torch.clamp(torch.round(w / scale.float().unsqueeze(-1)) + zero.unsqueeze(-1), 0, 63)
+        return QuantizedWeight(pack_int6(q.to(torch.uint8).reshape(n, k)), scale, None, 6, g, k)
     if bits == 8:
         if not sym:
             raise ValueError("INT8 weight-only quantization is symmetric only")
@@ -196,6 +233,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     scale = qw.scales.float().unsqueeze(-1)  # [N, num_groups, 1]
     if qw.bits == 8:
         w = qw.qweight.float().reshape(n, k // g, g) * scale
+    elif qw.bits == 6:
+        w = (unpack_int6(qw.qweight).float().reshape(n, k // g, g) - 32.0) * scale
     else:
         q = unpack_int4(qw.qweight).float().reshape(n, k // g, g)
         zero = torch.full_like(scale, 8.0) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)

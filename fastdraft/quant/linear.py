@@ -39,6 +39,8 @@ class QuantLinear(nn.Module):
         num_groups = in_features // group_size
         if fmt.bits == 4:
             qweight = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        elif fmt.bits == 6:
+            qweight = torch.empty(out_features, in_features * 3 // 4, dtype=torch.uint8, device=device)
         else:
             qweight = torch.empty(out_features, in_features, dtype=torch.int8, device=device)
         scales = torch.empty(out_features, num_groups, dtype=SCALE_DTYPE, device=device)

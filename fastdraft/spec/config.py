@@ -50,8 +50,8 @@ class SpeculativeConfig:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if self.draft_low_bit not in ("sym_int4", "asym_int4", "int8", None):
             raise ValueError(f"draft_low_bit must be sym_int4, asym_int4 or int8, got {self.draft_low_bit!r}")
-        if self.draft_lm_head_bits not in (4, 8, 16):
-            raise ValueError(f"draft_lm_head_bits must be 4, 8 or 16, got {self.draft_lm_head_bits}")
+        if self.draft_lm_head_bits not in (4, 6, 8, 16):
+            raise ValueError(f"draft_lm_head_bits must be 4, 6, 8 or 16, got {self.draft_lm_head_bits}")
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
                                                   or self.draft_vocab_size < 1):
             raise ValueError(f"draft_vocab_size must be a positive int or None, got {self.draft_vocab_size!r}")

@@ -8,7 +8,7 @@ from fastdraft.kernels import fused, select_kernel
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
 from fastdraft.layers.sampler import greedy_ids
-from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize
+from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize, unpack_int6
 from tests.helpers import assert_tokens_equal_one_token_calls
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None,
@@ -23,8 +23,10 @@ def _weights():
         for g in (32, 64, 128, 256, 512, 1024, PER_CHANNEL):
             if g != PER_CHANNEL and k % g:
                 continue
-            for bits, scheme in ((4, "sym"), (4, "asym"), (4, "asymf"), (8, "sym")):
+            for bits, scheme in ((4, "sym"), (4, "asym"), (4, "asymf"), (6, "sym"), (8, "sym")):
                 if bits == 8 and g != PER_CHANNEL and g not in (32, 128):
+                    continue
+                if bits == 6 and k % 4:
                     continue
                 yield pytest.param(n, k, g, bits, scheme, id=f"{n}x{k}-g{g}-int{bits}-{scheme}")
 
@@ -44,7 +46,7 @@ def test_vnni_matches_twin_and_dense(n, k, group_size, bits, scheme):
         assert (out - x @ dense.t()).abs().max().item() <= 2e-2 * scale, f"M={m}"
 
 
-@pytest.mark.parametrize("bits,sym", [(4, True), (4, False), (8, True)])
+@pytest.mark.parametrize("bits,sym", [(4, True), (4, False), (6, True), (8, True)])
 def test_rows_are_bit_identical_whatever_the_row_count(bits, sym):
     """Verification of k drafts must reproduce one-token decoding exactly."""
     qw = quantize(torch.randn(80, 384), bits, 128 if bits == 4 else PER_CHANNEL, sym)
@@ -86,6 +88,19 @@ def test_repack_layout_of_one_tile():
     for c, n, j in ((0, 0, 0), (3, 5, 2), (15, 15, 3)):
         byte = int(packed[0, c, n, j])
         assert byte & 15 == q[n, 8 * c + j] and byte >> 4 == q[n, 8 * c + 4 + j]
+
+
+def test_repack_layout_of_one_int6_tile():
+    """INT6: INT4's nibble bytes, then bits 4-5 of nibble bytes p and p + 32 in high byte p."""
+    qw = quantize(torch.randn(16, 128), 6, 128, sym=True)
+    q = unpack_int6(qw.qweight)  # [16, 128] 0..63
+    packed = repack(qw).packed  # [1, 16 chunks, 96 bytes]
+    assert packed.shape == (1, 16, 96)
+    for c, n, j in ((0, 0, 0), (3, 5, 2), (9, 8, 1), (15, 15, 3)):
+        p = 4 * n + j
+        nibble, high = int(packed[0, c, p]), int(packed[0, c, 64 + p % 32]) >> (0 if p < 32 else 4)
+        assert nibble & 15 | (high & 3) << 4 == q[n, 8 * c + j]
+        assert nibble >> 4 | (high >> 2 & 3) << 4 == q[n, 8 * c + 4 + j]
 
 
 def test_selected_for_supported_weights():

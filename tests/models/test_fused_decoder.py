@@ -21,6 +21,8 @@ QUANTS = {
     # INT8 v_proj/down_proj in some layers: q/k/v run one by one and are concatenated.
     "int4-mix8": QuantConfig(method="rtn", group_size=32, sensitive_bits=8),
     # INT8 v_proj/o_proj in every layer.
+    # An INT6 LM head (the decoder linears INT4 g32).
+    "int4-head6": QuantConfig(method="rtn", group_size=32, sym=True, lm_head_bits=6),
     "int4-int8vo": QuantConfig(method="rtn", group_size=32, sym=False, float_zeros=True, int8_linears=("v_proj", "o_proj")),
 }
 
@@ -158,7 +160,7 @@ def test_fused_decoder_rebuilds_after_quantization(tiny_models):
     assert torch.equal(after[0], _steps(model, False, 5, [1])[0])
 
 
-@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8"])
+@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-head6"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, dtype, quant):

@@ -23,6 +23,7 @@ CONFIGS = [
     QuantConfig(method="rtn", group_size=-1, sym=False, embed_bits=8),
     QuantConfig(method="rtn", group_size=32, sym=False, lm_head_bits=4),
     QuantConfig(method="rtn", group_size=64, sym=False, float_zeros=True, lm_head_bits=4),
+    QuantConfig(method="rtn", group_size=32, lm_head_bits=6),
     QuantConfig(method="gptq", group_size=32, sym=False, act_order=True, num_calib_samples=4, calib_seq_len=32),
     QuantConfig(method="gptq", group_size=32, sym=False, float_zeros=True, num_calib_samples=4, calib_seq_len=32),
     QuantConfig(method="awq", group_size=64, sym=True, num_calib_samples=4, calib_seq_len=32),

@@ -9,8 +9,10 @@ from fastdraft.quant.format import (
     SUPPORTED_GROUP_SIZES,
     dequantize,
     pack_int4,
+    pack_int6,
     quantize,
     unpack_int4,
+    unpack_int6,
 )
 
 GROUPS = [*SUPPORTED_GROUP_SIZES, PER_CHANNEL]
@@ -65,6 +67,39 @@ def test_int8_round_trip(group_size):
     assert qw.qweight.dtype == torch.int8
     rel = (dequantize(qw) - w).abs().max() / w.abs().max()
     assert rel < 1 / 127
+
+
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_int6_round_trip_error_is_within_half_a_step(group_size):
+    torch.manual_seed(3)
+    w = torch.randn(16, 2048) * torch.rand(16, 1) * 3
+    qw = quantize(w, bits=6, group_size=group_size, sym=True)
+    assert qw.qweight.shape == (16, 1536) and qw.qweight.dtype == torch.uint8 and qw.zeros is None
+    g = 2048 if group_size == PER_CHANNEL else group_size
+    err = (dequantize(qw) - w).abs().view(16, 2048 // g, g)
+    step = qw.scales.float().abs().unsqueeze(-1)
+    # +31 clips the opposite edge by a step, give or take the fp16 scale's rounding (up to
+    # 2^-11 relative, times 32 levels).
+    assert torch.all(err <= step * (1 + 2e-2) + 1e-6)
+    assert (err <= 0.5 * step * (1 + 1e-3) + 1e-6).float().mean() > 0.99
+    assert 0.15 < (err / step).mean() < 0.4
+    q = unpack_int6(qw.qweight)
+    assert q.max() <= 63 and (q == 0).any()  # the largest magnitude of each group maps to -32
+
+
+def test_int6_packing_layout():
+    q = torch.tensor([[1, 2, 63, 0, 5, 6, 7, 8]], dtype=torch.uint8)
+    packed = pack_int6(q)
+    word = 1 | 2 << 6 | 63 << 12 | 0 << 18  # 4 values in a little-endian 24-bit word
+    assert packed[0, :3].tolist() == [word & 0xFF, word >> 8 & 0xFF, word >> 16]
+    assert torch.equal(unpack_int6(packed), q)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pack_int6(torch.zeros(1, 6, dtype=torch.uint8))
+
+
+def test_int6_is_symmetric_only():
+    with pytest.raises(ValueError, match="symmetric"):
+        quantize(torch.randn(4, 64), bits=6, group_size=32, sym=False)
 
 
 def test_smaller_groups_are_more_accurate():
@@ -163,3 +198,8 @@ def test_labels_name_what_differs():
     assert QuantConfig(method="gptq", damp_percent=0.1).label == "gptq-int4-g128-sym-damp0.1"
     assert QuantConfig(method="rtn", sym=False, sensitive_bits=8).label == "rtn-int4-g128-asym-mix8"
     assert QuantConfig(int8_linears=("o_proj", "v_proj")).label == "rtn-int4-g128-sym-int8[v_proj+o_proj]"
+    assert QuantConfig(lm_head_bits=6).label == "rtn-int4-g128-sym-head6"
+
+
+def test_int6_head_takes_the_group_size_symmetric():
+    assert QuantConfig(group_size=32, sym=False, float_zeros=True, lm_head_bits=6).head_format() == (6, 32, True, False)

@@ -1,10 +1,11 @@
-// Weight-only INT4/INT8 matmuls for x86-64 with AVX-512 + VNNI.
+// Weight-only INT4/INT6/INT8 matmuls for x86-64 with AVX-512 + VNNI.
 //
 // Layout (built once by fastdraft/kernels/x86.py::repack, see there for the exact spec):
 //   weights  uint8 [num_tiles, num_chunks, 16, 4]: 16 output rows per tile; each row holds
 //            4 bytes per chunk, so one 64-byte load feeds one vpdpbusd across 16 rows.
 //            INT4 chunk = 8 input channels: byte j holds k = 8c + j (low nibble) and
 //            k = 8c + 4 + j (high nibble). INT8 chunk = 4 channels, stored as q + 128.
+//            INT6 chunk = INT4's 64 bytes of low nibbles, then 32 bytes of their bits 4-5.
 //   scales   fp16 [num_tiles, num_groups, 16]; zeros [num_tiles, num_groups, 16] (asym), uint8
 //            integers or fp16 fractional zero points ("float zeros").
 //
@@ -145,7 +146,7 @@ constexpr int kUnroll = 2;  // chunks per step of tile_kernel's inner loop
 // results.
 template <int BITS, int ROWS>
 constexpr int default_chains() {
-  constexpr int steps = (BITS == 4 ? 2 : 1) * kUnroll;  // vpdpbusd per row per unrolled step
+  constexpr int steps = (BITS == 8 ? 1 : 2) * kUnroll;  // vpdpbusd per row per unrolled step
   return ROWS <= 2 ? steps : (ROWS <= 6 ? 2 : 1);
 }
 // On AMD Zen 4, from 5 rows five independent rows cover vpdpbusd's latency, and merging a
@@ -160,9 +161,11 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
                  const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
                  T* out, int64_t ldo, __mmask16 out_mask) {
   constexpr int kChains = CHAINS;
-  const int64_t chunk_k = BITS == 4 ? 8 : 4;
+  constexpr int64_t chunk_k = BITS == 8 ? 4 : 8;
+  constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;  // INT6: 64 nibble bytes + 32 of high bits
   const int64_t chunks_per_block = block / chunk_k;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i high_bits = _mm512_set1_epi8(0x30);
   const int32_t neg_zero = -static_cast<int32_t>(zero_const);  // an integer whenever !ASYM
   const int8_t* xq[ROWS];
   const float* xs[ROWS];
@@ -192,11 +195,19 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
         for (int u = 0; u < kUnroll; ++u) {
           if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T1);
           const __m512i v = _mm512_loadu_si512(w);
-          w += 64;
           const int64_t k0 = b * block + (c + u) * chunk_k;
-          if constexpr (BITS == 4) {
-            const __m512i lo = _mm512_and_si512(v, nibble);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (BITS != 8) {
+            __m512i lo = _mm512_and_si512(v, nibble);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            if constexpr (BITS == 6) {
+              // Byte i of the 32 high-bit bytes holds bits 4-5 of lo and hi at byte i (its low
+              // nibble) and at byte i + 32 (its high nibble): spread to 64 bytes, each byte's
+              // pair shifted into bits 4-5 and merged (ternary logic 0xF8: a | (b & c)).
+              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64));
+              const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 4), 1);
+              lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(hb, 4), high_bits, 0xF8);
+              hi = _mm512_ternarylogic_epi32(hi, _mm512_slli_epi16(hb, 2), high_bits, 0xF8);
+            }
             for (int r = 0; r < ROWS; ++r) {
               int32_t x_lo, x_hi;
               std::memcpy(&x_lo, xq[r] + k0, 4);
@@ -204,12 +215,14 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
               dpbusd<BITS, ROWS>(dot[r][(2 * u) % kChains], lo, _mm512_set1_epi32(x_lo));
               dpbusd<BITS, ROWS>(dot[r][(2 * u + 1) % kChains], hi, _mm512_set1_epi32(x_hi));
             }
+            w += chunk_bytes;
           } else {
             for (int r = 0; r < ROWS; ++r) {
               int32_t xv;
               std::memcpy(&xv, xq[r] + k0, 4);
               dpbusd<BITS, ROWS>(dot[r][u % kChains], v, _mm512_set1_epi32(xv));
             }
+            w += chunk_bytes;
           }
         }
       }
@@ -380,7 +393,7 @@ torch::Tensor fastdraft::dense_bf16_linear(const torch::Tensor& x_in, const torc
 void fastdraft::check_woq_weight(const WoqWeight& w) {
   const torch::Tensor &packed = w.packed, &scales = w.scales, &zeros = w.zeros;
   const int64_t bits = w.bits, k_pad = w.k_pad, block = w.block, group = w.group;
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
   TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
   TORCH_CHECK(group % block == 0 && k_pad % group == 0, "group must be a multiple of block dividing k_pad");
   TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == w.num_tiles() * w.tile_bytes(),
@@ -460,6 +473,8 @@ void fastdraft::woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_
                                           args.ldo, t0, t1);
       else gemm_tiles<4, false>(a, args.packed, args.scales, z, args.zero_const, args.out_features, o, args.ldo,
                                 t0, t1);
+    } else if (args.bits == 6) {
+      gemm_tiles<6, false>(a, args.packed, args.scales, z, args.zero_const, args.out_features, o, args.ldo, t0, t1);
     } else {
       gemm_tiles<8, false>(a, args.packed, args.scales, z, args.zero_const, args.out_features, o, args.ldo, t0, t1);
     }
@@ -488,11 +503,11 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 
 namespace {
 
-// Row n of one tile, 16 chunks at a time, as 128 (INT4) or 64 (INT8) consecutive uint8 values.
+// Row n of one tile, 16 chunks at a time, as 128 (INT4, INT6) or 64 (INT8) consecutive uint8 values.
 template <typename T>
 void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, float zc, int64_t k,
                   int64_t k_pad, int64_t group, int64_t rows, T* out) {
-  const int64_t chunk_k = bits == 4 ? 8 : 4;
+  const int64_t chunk_k = bits == 8 ? 4 : 8;
   const int64_t num_chunks = k_pad / chunk_k;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const __m512i even = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
@@ -502,9 +517,20 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, fl
     const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                               _mm512_set1_epi32(kTile)), _mm512_set1_epi32(static_cast<int>(r)));
     for (int64_t c0 = 0; c0 < num_chunks; c0 += 16) {
-      const __m512i v = _mm512_i32gather_epi32(index, w + c0 * 64, 4);  // dword i = chunk c0 + i of row r
       int64_t count;
-      if (bits == 4) {
+      if (bits == 6) {  // scalar: this path runs once per weight (large-M prefill, tests)
+        for (int64_t i = 0; i < 16 && c0 + i < num_chunks; ++i) {
+          const uint8_t* chunk = w + (c0 + i) * 96;
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t p = 4 * r + j;
+            const int high = chunk[64 + p % 32] >> (p < 32 ? 0 : 4);
+            vals[8 * i + j] = static_cast<uint8_t>((chunk[p] & 15) | (high & 3) << 4);
+            vals[8 * i + 4 + j] = static_cast<uint8_t>((chunk[p] >> 4) | (high >> 2 & 3) << 4);
+          }
+        }
+        count = 128;
+      } else if (bits == 4) {
+        const __m512i v = _mm512_i32gather_epi32(index, w + c0 * 64, 4);  // dword i = chunk c0 + i of row r
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         const __m512i a = _mm512_unpacklo_epi32(lo, hi);  // chunks {0,1},{4,5},{8,9},{12,13}
@@ -513,7 +539,7 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, fl
         _mm512_store_si512(vals + 64, _mm512_permutex2var_epi64(a, odd, b));
         count = 128;
       } else {
-        _mm512_store_si512(vals, v);
+        _mm512_store_si512(vals, _mm512_i32gather_epi32(index, w + c0 * 64, 4));
         count = 64;
       }
       const int64_t k0 = c0 * chunk_k;
