@@ -333,7 +333,7 @@ def main() -> None:
                         help="rounds; each runs every system once, interleaved; medians are reported")
     parser.add_argument("--quant", action="append", default=None,
                         help="also run fastdraft quantized with this spec (repeatable; default "
-                             "method=rtn,group_size=128; pass 'none' to skip)")
+                             "method=rtn,group_size=128,lm_head_bits=6; pass 'none' to skip)")
     parser.add_argument("--no-dense", action="store_true", help="skip fastdraft unquantized")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
@@ -343,7 +343,9 @@ def main() -> None:
         parser.error("need --new-tokens >= 2, --prompt-tokens >= 32 and --repeats >= 1")
     if args.prompt_tokens + args.new_tokens > 2048:
         parser.error("prompt + new tokens must fit the 2048-token context")
-    args.quant = [q for q in (args.quant or ["method=rtn,group_size=128"]) if q != "none"]
+    # INT4 g128 with an INT6 head (as Q4_K_M keeps its output at Q6_K): +15.68% perplexity
+    # against +15.63% with the INT8 head, 855 MB a token against 910 on the 1.5B (README).
+    args.quant = [q for q in (args.quant or ["method=rtn,group_size=128,lm_head_bits=6"]) if q != "none"]
     torch.set_num_threads(args.threads)
     tune_malloc()  # as fastdraft's TextGenerator does; every system in this process gets it
     load = os.getloadavg()[0]
