@@ -483,7 +483,7 @@ void fastdraft::woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_
   else run(static_cast<at::BFloat16*>(args.out));
 }
 
-// y [M, N] = x [M, K] @ W^T for a repacked INT4/INT8 weight; x is float32 or bfloat16.
+// y [M, N] = x [M, K] @ W^T for a repacked INT4/INT6/INT8 weight; x is float32 or bfloat16.
 torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
                          int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const) {
   const fastdraft::WoqWeight w{packed, scales, zeros, bits, n, k_pad, block, group, zero_const};
@@ -559,7 +559,7 @@ void dequant_tile(int64_t bits, const uint8_t* w, const at::Half* s, Zeros z, fl
 
 }  // namespace
 
-// The dense [N, K] weight (float32 or bfloat16) of a repacked INT4/INT8 weight: the large-M
+// The dense [N, K] weight (float32 or bfloat16) of a repacked INT4/INT6/INT8 weight: the large-M
 // (prefill) path dequantizes once and runs a oneDNN GEMM (AMX-BF16 where the CPU has it).
 torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t bits, int64_t n,
                              int64_t k, int64_t k_pad, int64_t block, int64_t group, double zero_const,
@@ -610,7 +610,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return fastdraft::dense_bf16_linear(x, w, bias ? *bias : torch::Tensor());
   }, "x [M <= 8, K] W^T (+ bias), dense bf16, AVX512-BF16 dot products, row-invariant",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("woq_linear", &woq_linear, "INT4/INT8 weight-only linear (AVX-512 VNNI)");
-  m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT8 weight");
+  m.def("woq_linear", &woq_linear, "INT4/INT6/INT8 weight-only linear (AVX-512 VNNI)");
+  m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT6/INT8 weight");
   bind_decoder(m);
 }
