@@ -20,9 +20,9 @@ QUANTS = {
     "int4-channel-asym": QuantConfig(method="rtn", group_size=-1, sym=False),
     # INT8 v_proj/down_proj in some layers: q/k/v run one by one and are concatenated.
     "int4-mix8": QuantConfig(method="rtn", group_size=32, sensitive_bits=8),
-    # INT8 v_proj/o_proj in every layer.
     # An INT6 LM head (the decoder linears INT4 g32).
     "int4-head6": QuantConfig(method="rtn", group_size=32, sym=True, lm_head_bits=6),
+    # INT8 v_proj/o_proj in every layer.
     "int4-int8vo": QuantConfig(method="rtn", group_size=32, sym=False, float_zeros=True, int8_linears=("v_proj", "o_proj")),
 }
 

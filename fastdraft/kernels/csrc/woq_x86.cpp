@@ -215,15 +215,14 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
               dpbusd<BITS, ROWS>(dot[r][(2 * u) % kChains], lo, _mm512_set1_epi32(x_lo));
               dpbusd<BITS, ROWS>(dot[r][(2 * u + 1) % kChains], hi, _mm512_set1_epi32(x_hi));
             }
-            w += chunk_bytes;
           } else {
             for (int r = 0; r < ROWS; ++r) {
               int32_t xv;
               std::memcpy(&xv, xq[r] + k0, 4);
               dpbusd<BITS, ROWS>(dot[r][u % kChains], v, _mm512_set1_epi32(xv));
             }
-            w += chunk_bytes;
           }
+          w += chunk_bytes;  // after the INT6 branch, which reads its high bits at w + 64
         }
       }
       for (int r = 0; r < ROWS; ++r) {
