@@ -100,6 +100,8 @@ def main() -> None:
         ratio = statistics.median(x / y for x, y in zip(a, b))
         print(f"  {n} token(s)/pass: A {statistics.median(a) * 1e3:.2f} ms, B {statistics.median(b) * 1e3:.2f} ms, "
               f"B is {ratio:.3f}x A's speed (median of per-round ratios)")
+        # A's time tells the VM's memory state of each round (a change may help in one only).
+        print("    by round (A ms: B's ratio): " + ", ".join(f"{x * 1e3:.1f}: {x / y:.3f}" for x, y in zip(a, b)))
 
 
 if __name__ == "__main__":

@@ -219,16 +219,23 @@ STABLE_PROBES = 0.15  # a round's probes before and after within 15%: one memory
 FAST_STATE_GB_S = 45.0  # this VM's slow state probes at 29-36 GB/s, its fast one at 55-69
 
 
+def memory_state(before: float, after: float) -> str | None:
+    """"slow" or "fast": the VM's memory state through a timed run, from the probes (bytes/s)
+    taken just before and just after it; ``None`` when they disagree (a switch in between)."""
+    if abs(after / before - 1) > STABLE_PROBES:
+        return None
+    return "fast" if (before + after) / 2 / 1e9 >= FAST_STATE_GB_S else "slow"
+
+
 def stable_round_fractions(result: dict, bytes_per_token: int) -> dict[str, list[float]]:
     """Per memory state ("slow", "fast"), each state-stable round's rate over the mean of its
     two probes: the rounds the probe before cannot have misjudged."""
     fractions: dict[str, list[float]] = {"slow": [], "fast": []}
     for run in result["runs"]:
         before, after = run["bandwidth"], run["bandwidth_after"]
-        if abs(after / before - 1) <= STABLE_PROBES:
-            probe = (before + after) / 2
-            state = "fast" if probe / 1e9 >= FAST_STATE_GB_S else "slow"
-            fractions[state].append(bytes_per_token / run["token_latency_s"] / probe)
+        state = memory_state(before, after)
+        if state is not None:
+            fractions[state].append(bytes_per_token / run["token_latency_s"] / ((before + after) / 2))
     return fractions
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_latency import measure_bandwidth  # noqa: E402
+from bench_latency import measure_bandwidth, memory_state  # noqa: E402
 
 from fastdraft.engine.generate import TextGenerator  # noqa: E402
 from fastdraft.engine.sampling_params import SamplingParams  # noqa: E402
@@ -74,7 +74,9 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     Each plain/speculative pair is printed with the memory bandwidth measured just before it:
     on this VM's fast memory state a 1-token step speeds up much more than a multi-token
     verification (which is then bound by arithmetic), so the speedup depends on the state.
-    The speculative summary also holds every pair's speedup (``pair_speedups``).
+    The speculative summary also holds every pair's speedup (``pair_speedups``) and, from a
+    second probe after each pair, its memory state (``pair_states``: "slow", "fast", or None
+    when the probes disagree).
     Returns the plain and speculative summaries and the median bandwidth probe (GB/s)."""
     for generator in (plain, spec):
         generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -82,6 +84,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     first: dict[str, list[dict]] = {"plain": [], "spec": []}
     bandwidths: list[float] = []
     pair_speedups: list[float] = []
+    pair_states: list[str | None] = []
     for i in range(repeats):
         times = {"plain": [0.0, 0], "spec": [0.0, 0]}
         for params in params_list:
@@ -95,8 +98,10 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
                 if i == 0:
                     first[name].append(r)
             pair_speedups.append(pair["plain"] / pair["spec"])
-            print(f"  round {i + 1}, T={params.temperature}, seed {params.seed}: {bandwidths[-1]:.0f} GB/s, plain "
-                  f"{pair['plain']:.1f} ms/tok, spec {pair['spec']:.1f} ms/tok "
+            after = measure_bandwidth(gib=0.25, repeats=3)
+            pair_states.append(memory_state(bandwidths[-1] * 1e9, after))
+            print(f"  round {i + 1}, T={params.temperature}, seed {params.seed}: {bandwidths[-1]:.0f} GB/s before, "
+                  f"{after / 1e9:.0f} after, plain {pair['plain']:.1f} ms/tok, spec {pair['spec']:.1f} ms/tok "
                   f"({pair['plain'] / pair['spec']:.2f}x)", flush=True)
         for name, (seconds, num_decoded) in times.items():
             rounds[name].append(seconds / num_decoded * 1e3)
@@ -111,6 +116,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
                         per_position=stats.per_position_acceptance, num_plain_steps=stats.num_plain_steps)
         summary[name] = best
     summary["spec"]["pair_speedups"] = pair_speedups
+    summary["spec"]["pair_states"] = pair_states
     return summary["plain"], summary["spec"], statistics.median(bandwidths)
 
 
@@ -136,11 +142,17 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
                "spec_ms_per_token": fast["ms_per_token"], "speedup": base["ms_per_token"] / fast["ms_per_token"],
                "greedy_identical": (base["tokens"] == fast["tokens"]) if temperature == 0 else None,
                "bandwidth_gbs": bandwidth_gbs, "median_pair_speedup": statistics.median(fast["pair_speedups"]),
+               "pair_speedups_by_state": pairs_by_state(fast["pair_speedups"], fast["pair_states"]),
                **{k: fast[k] for k in ("acceptance_rate", "mean_accepted_length", "per_position", "num_plain_steps")}}
         rows.append(row)
     del plain, spec_gen, target
     gc.collect()
     return rows
+
+
+def pairs_by_state(speedups: list[float], states: list[str | None]) -> dict[str, list[float]]:
+    """The speedups of the pairs that ran in one memory state throughout, by state."""
+    return {state: [x for x, s in zip(speedups, states) if s == state] for state in ("slow", "fast")}
 
 
 TABLE_HEADER = ("| scenario | target | draft | T | seeds | median BW GB/s | plain ms/tok | spec ms/tok | speedup | "
@@ -198,6 +210,13 @@ def main() -> None:
     print(f"\n{TABLE_HEADER}")
     for row in rows:
         print_row(row)
+    # On this VM a 1-token step gains much more from the fast memory state than a verification
+    # pass does, so the speedup is reported per state too.
+    print("\nstate-stable pairs (probes before and after within 15%), median speedup by memory state:")
+    for row in rows:
+        parts = [f"{state} {len(xs)} ({statistics.median(xs):.2f}x)" if xs else f"{state} 0"
+                 for state, xs in row["pair_speedups_by_state"].items()]
+        print(f"  {row['scenario']} T={row['temperature']}: " + ", ".join(parts))
     write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"\nresults written to {args.json}")
 

@@ -139,11 +139,15 @@ def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
     return q.to(torch.uint8).flatten(-2)
 
 
-def int4_params(w: torch.Tensor, sym: bool, float_zeros: bool = False,
-                bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32.
-    Float zeros come back rounded to their stored float16 (the scale is rounded by callers).
-    ``bits=6`` (symmetric only): the same rule over 64 levels."""
+def group_params(w: torch.Tensor, sym: bool, float_zeros: bool = False,
+                 bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32, for
+    INT4 (symmetric or not) or symmetric INT6. Float zeros come back rounded to their stored
+    float16 (the scale is rounded by callers)."""
+    if bits not in (4, 6):
+        raise ValueError(f"group_params covers INT4 and INT6, got bits={bits}")
+    if bits == 6 and not sym:
+        raise ValueError("INT6 weight-only quantization is symmetric only")
     if sym:
         half = float(2 ** (bits - 1))  # the zero point: 8 (INT4) or 32 (INT6)
         idx = w.abs().argmax(dim=-1, keepdim=True)
@@ -173,7 +177,7 @@ def _float_zero_params(w: torch.Tensor, w_min: torch.Tensor, w_max: torch.Tensor
         # The zero against the stored scale, so min lands on level 0 of what dequantizes.
         zero = torch.where(stored > 0, -w_min / stored, torch.zeros_like(w_min)).clamp(0, 15)
         zero = zero.to(SCALE_DTYPE).float()
-        q = quantize_int4_values(w, stored, zero, float_zeros=True)
+        q = quantize_group_values(w, stored, zero, float_zeros=True)
         err = ((q - zero.unsqueeze(-1)) * stored.unsqueeze(-1) - w).pow(2).sum(-1)
         if best_err is None:
             best_scale, best_zero, best_err = scale, zero, err
@@ -185,13 +189,13 @@ def _float_zero_params(w: torch.Tensor, w_min: torch.Tensor, w_max: torch.Tensor
     return best_scale, best_zero
 
 
-def quantize_int4_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                         float_zeros: bool = False) -> torch.Tensor:
-    """q = clamp(round(w / scale) + zero, 0, 15) (float zeros: round(w / scale + zero)), with
-    scale/zero broadcast over the last dim."""
+def quantize_group_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          float_zeros: bool = False, max_level: int = 15) -> torch.Tensor:
+    """q = clamp(round(w / scale) + zero, 0, max_level) (float zeros: round(w / scale + zero)),
+    with scale/zero broadcast over the last dim. ``max_level``: 15 (INT4) or 63 (INT6)."""
     if float_zeros:
-        return torch.clamp(torch.round(w / scale.unsqueeze(-1) + zero.unsqueeze(-1)), 0, 15)
-    return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, 15)
+        return torch.clamp(torch.round(w / scale.unsqueeze(-1) + zero.unsqueeze(-1)), 0, max_level)
+    return torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, max_level)
 
 
 def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
@@ -209,9 +213,9 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     if bits == 6:
         if not sym:
             raise ValueError("INT6 weight-only quantization is symmetric only")
-        scale, zero = int4_params(w, sym=True, bits=6)
+        scale, zero = group_params(w, sym=True, bits=6)
         scale = scale.to(SCALE_DTYPE)
-        q = torch.clamp(torch.round(w / scale.float().unsqueeze(-1)) + zero.unsqueeze(-1), 0, 63)
+        q = quantize_group_values(w, scale.float(), zero, max_level=63)
         return QuantizedWeight(pack_int6(q.to(torch.uint8).reshape(n, k)), scale, None, 6, g, k)
     if bits == 8:
         if not sym:
@@ -219,10 +223,10 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
         scale = (w.abs().amax(dim=-1) / 127.0).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
         q = torch.clamp(torch.round(w / scale.float().unsqueeze(-1)), -127, 127).to(torch.int8)
         return QuantizedWeight(q.reshape(n, k), scale, None, 8, g, k)
-    scale, zero = int4_params(w, sym, float_zeros)
+    scale, zero = group_params(w, sym, float_zeros)
     # Round the scale to its stored precision first, so q is computed against the real scale.
     scale = scale.to(SCALE_DTYPE)
-    q = quantize_int4_values(w, scale.float(), zero, float_zeros).to(torch.uint8).reshape(n, k)
+    q = quantize_group_values(w, scale.float(), zero, float_zeros).to(torch.uint8).reshape(n, k)
     zeros = None if sym else zero.to(SCALE_DTYPE if float_zeros else torch.uint8)
     return QuantizedWeight(pack_int4(q), scale, zeros, 4, g, k)
 

@@ -15,8 +15,8 @@ import torch
 from fastdraft.quant.format import (
     SCALE_DTYPE,
     QuantizedWeight,
-    int4_params,
-    quantize_int4_values,
+    group_params,
+    quantize_group_values,
     pack_int4,
     resolve_group_size,
 )
@@ -40,7 +40,7 @@ class HessianAccumulator:
 
 def _group_params(w: torch.Tensor, sym: bool, float_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16-rounded scale and zero of ``w`` [N, G] -> ([N], [N]) as used by the canonical dequant."""
-    scale, zero = int4_params(w.unsqueeze(1), sym, float_zeros)
+    scale, zero = group_params(w.unsqueeze(1), sym, float_zeros)
     return scale.squeeze(1).to(SCALE_DTYPE).float(), zero.squeeze(1)
 
 
@@ -93,7 +93,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
                 scales[:, gi], zeros[:, gi] = _group_params(group_w, sym, float_zeros)
             w = W1[:, i]
             scale, zero = scales[:, gi], zeros[:, gi]
-            q = quantize_int4_values(w.unsqueeze(-1), scale, zero, float_zeros).squeeze(-1)
+            q = quantize_group_values(w.unsqueeze(-1), scale, zero, float_zeros).squeeze(-1)
             Q[:, i1 + i] = q
             err = (w - (q - zero) * scale) / Hinv1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)

@@ -8,6 +8,7 @@ from fastdraft.quant.format import (
     PER_CHANNEL,
     SUPPORTED_GROUP_SIZES,
     dequantize,
+    group_params,
     pack_int4,
     pack_int6,
     quantize,
@@ -100,6 +101,12 @@ def test_int6_packing_layout():
 def test_int6_is_symmetric_only():
     with pytest.raises(ValueError, match="symmetric"):
         quantize(torch.randn(4, 64), bits=6, group_size=32, sym=False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(sym=False, bits=6), dict(sym=True, bits=8), dict(sym=True, bits=5)])
+def test_group_params_rejects_formats_it_does_not_cover(kwargs):
+    with pytest.raises(ValueError):
+        group_params(torch.randn(4, 32), **kwargs)
 
 
 def test_smaller_groups_are_more_accurate():
