@@ -21,7 +21,7 @@ from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import logits_to_probs, sample
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.spec.draft_length import AdaptiveDraftLength, step_costs_for
+from fastdraft.spec.draft_length import AdaptiveDraftLength, modeled_step_costs, step_costs_for
 from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
 
 
@@ -98,7 +98,13 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
                          kv_cache: KVCache, eos_token_ids: list[int], num_speculative_tokens: int = 4,
                          adaptive: bool = True, metrics: SpecMetrics | None = None) -> Iterator[int]:
     """Yield new token ids, as :func:`fastdraft.engine.generate.generate_token_ids` does,
-    using ``proposer`` to draft and ``target`` to verify."""
+    using ``proposer`` to draft and ``target`` to verify.
+
+    ``adaptive``: each step's draft length follows the acceptance so far and the passes' costs,
+    measured once per proposer and prompt-length range. A seeded sampled request weighs costs
+    modeled from bytes instead (:func:`modeled_step_costs`), so that its tokens repeat from one
+    process to the next; except with the draft on another device than the target, where bytes
+    say nothing of the two devices' speeds: such a request repeats within one process only."""
     check_request(len(prompt_ids), params, kv_cache.max_seq_len - num_speculative_tokens - 1)
     metrics = metrics if metrics is not None else SpecMetrics()
     generator = make_generator(params.seed, target.device)
@@ -109,7 +115,12 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         draft_generator = make_generator(None if params.seed is None else params.seed + 1, draft_model.device)
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
-    costs = step_costs_for(target, proposer, num_speculative_tokens, len(prompt_ids)) if adaptive else None
+    costs = None
+    if adaptive and params.seed is not None and not params.is_greedy and draft_generator is generator:
+        # Reproducible: the plan (and so each step's random draws) must not follow timings.
+        costs = modeled_step_costs(target, proposer, num_speculative_tokens, len(prompt_ids))
+    elif adaptive:
+        costs = step_costs_for(target, proposer, num_speculative_tokens, len(prompt_ids))
     controller = AdaptiveDraftLength(num_speculative_tokens, costs, adaptive)
 
     device = target.device

@@ -457,3 +457,40 @@ def test_config_validation():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="draft_device 'cuda' requested but CUDA is not available"):
             SpeculativeConfig(draft_device="cuda")
+
+
+def test_seeded_sampling_does_not_follow_timings(target, tiny_models, monkeypatch):
+    """Two processes measure different step costs. If those costs chose the draft lengths, a
+    seed's random draws (and so its tokens) would differ between them: a seeded sampled request
+    weighs costs modeled from bytes instead. Unseeded requests keep the measured ones."""
+    import fastdraft.spec.decoding as decoding
+
+    draft = load_model(tiny_models.dir("llama"), dtype="fp32")  # a poor draft: plans matter
+    prompt_ids = target.tokenizer.encode(PROMPTS[0])
+    measured = iter([StepCosts(draft=0.01, verify=[1.0] * 5),  # "process" 1: drafting is free
+                     StepCosts(draft=0.9, verify=[1.0, 1.9, 2.8, 3.7, 4.6])])  # 2: it never pays
+    monkeypatch.setattr(decoding, "step_costs_for", lambda *args: next(measured))
+
+    def run(params):
+        config = SpeculativeConfig(draft="model", num_speculative_tokens=4)
+        return _spec(target, lambda c: build_proposer(config, target, c, draft), prompt_ids, params, adaptive=True)
+
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.9, seed=5, ignore_eos=True)
+    first, first_metrics, _ = run(seeded)
+    second, _, _ = run(seeded)
+    assert first == second and first_metrics.num_draft_tokens > 0
+    unseeded = replace(seeded, seed=None)
+    _, eager, _ = run(unseeded)  # measured costs: free drafts, always k = 4
+    _, never, _ = run(unseeded)  # drafts that never pay: plain steps with a k = 1 probe now and then
+    assert eager.num_draft_tokens > 2 * never.num_draft_tokens
+
+
+def test_modeled_step_costs_are_byte_ratios(target):
+    cache = KVCache.from_config(target.config, 256, dtype=target.model.dtype)
+    proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=3), target, cache)
+    costs = draft_length.modeled_step_costs(target.model, proposer, 3, context_len=100)
+    # The self-draft is the INT4 copy of an fp32 model: about an eighth of its weight bytes.
+    assert 0.05 < costs.draft < 0.5
+    assert costs.verify[0] == 1.0 and costs.verify == sorted(costs.verify) and len(costs.verify) == 4
+    ngram = build_proposer(SpeculativeConfig(draft="ngram", num_speculative_tokens=3), target, cache)
+    assert draft_length.modeled_step_costs(target.model, ngram, 3, context_len=100).draft < 0.05
