@@ -101,10 +101,11 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     using ``proposer`` to draft and ``target`` to verify.
 
     ``adaptive``: each step's draft length follows the acceptance so far and the passes' costs,
-    measured once per proposer and prompt-length range. A seeded sampled request weighs costs
-    modeled from bytes instead (:func:`modeled_step_costs`), so that its tokens repeat from one
-    process to the next; except with the draft on another device than the target, where bytes
-    say nothing of the two devices' speeds: such a request repeats within one process only."""
+    measured once per proposer and prompt-length range. On the CPU, a seeded sampled request
+    weighs costs modeled from bytes instead (:func:`modeled_step_costs`), so that its tokens
+    repeat from one process to the next. On a GPU a step costs about the same at any size (it is
+    bound by launches, not bytes), so GPU requests keep measured costs and repeat within one
+    process."""
     check_request(len(prompt_ids), params, kv_cache.max_seq_len - num_speculative_tokens - 1)
     metrics = metrics if metrics is not None else SpecMetrics()
     generator = make_generator(params.seed, target.device)
@@ -116,7 +117,8 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
     eos = set() if params.ignore_eos else set(eos_token_ids)
     vocab_size = target.config.vocab_size
     costs = None
-    if adaptive and params.seed is not None and not params.is_greedy and draft_generator is generator:
+    is_all_cpu = target.device.type == "cpu" and (draft_model is None or draft_model.device.type == "cpu")
+    if adaptive and params.seed is not None and not params.is_greedy and is_all_cpu:
         # Reproducible: the plan (and so each step's random draws) must not follow timings.
         costs = modeled_step_costs(target, proposer, num_speculative_tokens, len(prompt_ids))
     elif adaptive:
