@@ -103,7 +103,7 @@ def step_costs_for(target: LlamaForCausalLM, proposer, k_max: int, prompt_len: i
 # A verification pass reads the target's weights once for all its tokens; each token past the
 # first adds this share of a plain step (attention over the context, more rows per weight line).
 # Measured on the 0.5B/1.5B INT4 pair at 1024 cached tokens: 0.04-0.05 per token in the slow
-# memory state, 0.10-0.17 in the fast one. At T=0.7 over 14 seeds (1024-token prompt, 128
+# memory state, 0.10-0.17 in the fast one. At T=0.7 (mean of 14 seeds, 1024-token prompt, 128
 # tokens), 0.08 sped decoding up as much as measured costs did (1.51x against 1.50x); 0.12
 # with a per-layer cost for the draft's narrow layers, 1.47x.
 VERIFY_COST_PER_TOKEN = 0.08
