@@ -211,9 +211,7 @@ def quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bo
     g = resolve_group_size(group_size, k)
     w = weight.detach().float().reshape(n, k // g, g)  # [N, num_groups, G]
     if bits == 6:
-        if not sym:
-            raise ValueError("INT6 weight-only quantization is symmetric only")
-        scale, zero = group_params(w, sym=True, bits=6)
+        scale, zero = group_params(w, sym, bits=6)  # raises for asymmetric INT6
         scale = scale.to(SCALE_DTYPE)
         q = quantize_group_values(w, scale.float(), zero, max_level=63)
         return QuantizedWeight(pack_int6(q.to(torch.uint8).reshape(n, k)), scale, None, 6, g, k)

@@ -21,6 +21,10 @@ from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 
 
+# A draft step's cost for a proposer without a model (prompt lookup): a dictionary lookup.
+NO_MODEL_DRAFT_COST = 0.01
+
+
 @dataclass
 class StepCosts:
     """Costs relative to one plain decode step of the target: a draft step, and a target
@@ -82,7 +86,7 @@ def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
         for i, t in enumerate(seconds):
             ratios[i].append(t / seconds[0])
     relative = [statistics.median(r) for r in ratios]
-    draft = relative[-1] if draft_model is not None else 0.01
+    draft = relative[-1] if draft_model is not None else NO_MODEL_DRAFT_COST
     return StepCosts(draft=draft, verify=relative[:k_max + 1])
 
 
@@ -125,7 +129,7 @@ def modeled_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
     weight and cached key/value once per pass: a draft step costs its bytes over the target's,
     and a verification pass one plain step plus ``VERIFY_COST_PER_TOKEN`` per drafted token."""
     draft_model = getattr(proposer, "model", None)
-    draft = 0.01  # a proposer without a model (prompt lookup)
+    draft = NO_MODEL_DRAFT_COST
     if draft_model is not None:
         draft = _pass_bytes(draft_model, context_len) / _pass_bytes(target, context_len)
     return StepCosts(draft=draft, verify=[1.0 + VERIFY_COST_PER_TOKEN * k for k in range(k_max + 1)])
