@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import cpu_flags, load_x86_extension
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.quant.format import QuantizedWeight, unpack_int4, unpack_int6
+from fastdraft.quant.format import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 
 TILE = 16
 K_ALIGN = 128
@@ -96,13 +96,13 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
     num_groups = k_pad // group
     if qw.bits == 4:
         q = unpack_int4(qw.qweight)  # [N, K] 0..15
-        pad_value = 8 if qw.is_sym else 0
+        pad_value = sym_zero_point(4) if qw.is_sym else 0
     elif qw.bits == 6:
         q = unpack_int6(qw.qweight)  # [N, K] 0..63
-        pad_value = 32
+        pad_value = sym_zero_point(6)
     else:
         q = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)  # [N, K] 1..255
-        pad_value = 128
+        pad_value = sym_zero_point(8)
     q = F.pad(q, (0, k_pad - k, 0, n_pad - n), value=pad_value)
     q = q.reshape(n_pad // TILE, TILE, -1, 4)  # [tiles, 16, k_pad / 4, 4]
     if qw.bits == 6:
@@ -119,7 +119,7 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
 
     scales = per_group(qw.scales.to(torch.float16), 0.0)
     zeros = per_group(qw.zeros, 0) if qw.zeros is not None else torch.empty(0, dtype=torch.uint8)
-    zero_const = {4: 8.0, 6: 32.0, 8: 128.0}[qw.bits]
+    zero_const = float(sym_zero_point(qw.bits))
     # Decode streams ``packed`` once per token: keep it on huge pages (see kernels.memory).
     return PackedWeight(huge_page_copy(packed), scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
 
@@ -136,9 +136,10 @@ def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     xq = torch.round(xb * inv.unsqueeze(-1))  # [M, num_blocks, block], half to even
     if qw.bits == 4:
         wq = unpack_int4(qw.qweight).double()
-        zero = torch.full_like(qw.scales, 8, dtype=torch.float64) if qw.zeros is None else qw.zeros.double()
+        zero = (torch.full_like(qw.scales, sym_zero_point(4), dtype=torch.float64) if qw.zeros is None
+                else qw.zeros.double())
     elif qw.bits == 6:
-        wq, zero = unpack_int6(qw.qweight).double(), torch.full_like(qw.scales, 32, dtype=torch.float64)
+        wq, zero = unpack_int6(qw.qweight).double(), torch.full_like(qw.scales, sym_zero_point(6), dtype=torch.float64)
     else:
         wq, zero = qw.qweight.double(), torch.zeros_like(qw.scales, dtype=torch.float64)
     w = F.pad(wq, (0, k_pad - k)).reshape(qw.out_features, -1, block)  # [N, num_blocks, block]

@@ -139,6 +139,14 @@ def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
     return q.to(torch.uint8).flatten(-2)
 
 
+def sym_zero_point(bits: int) -> int:
+    """The constant zero point of symmetric ``bits``-bit codes, the middle of their range:
+    8 (INT4), 32 (INT6), 128 (INT8 stored unsigned, as the x86 kernels do)."""
+    if bits not in (4, 6, 8):
+        raise ValueError(f"no symmetric zero point for bits={bits}")
+    return 2 ** (bits - 1)
+
+
 def group_params(w: torch.Tensor, sym: bool, float_zeros: bool = False,
                  bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each row of ``w`` [..., G] (fp32) -> ([...], [...]) fp32, for
@@ -149,7 +157,7 @@ def group_params(w: torch.Tensor, sym: bool, float_zeros: bool = False,
     if bits == 6 and not sym:
         raise ValueError("INT6 weight-only quantization is symmetric only")
     if sym:
-        half = float(2 ** (bits - 1))  # the zero point: 8 (INT4) or 32 (INT6)
+        half = float(sym_zero_point(bits))
         idx = w.abs().argmax(dim=-1, keepdim=True)
         signed_max = w.gather(-1, idx).squeeze(-1)
         scale = signed_max / -half
@@ -236,9 +244,9 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     if qw.bits == 8:
         w = qw.qweight.float().reshape(n, k // g, g) * scale
     elif qw.bits == 6:
-        w = (unpack_int6(qw.qweight).float().reshape(n, k // g, g) - 32.0) * scale
+        w = (unpack_int6(qw.qweight).float().reshape(n, k // g, g) - sym_zero_point(6)) * scale
     else:
         q = unpack_int4(qw.qweight).float().reshape(n, k // g, g)
-        zero = torch.full_like(scale, 8.0) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
+        zero = torch.full_like(scale, sym_zero_point(4)) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
         w = (q - zero) * scale
     return w.reshape(n, k).to(dtype)

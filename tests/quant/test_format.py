@@ -12,6 +12,7 @@ from fastdraft.quant.format import (
     pack_int4,
     pack_int6,
     quantize,
+    sym_zero_point,
     unpack_int4,
     unpack_int6,
 )
@@ -107,6 +108,17 @@ def test_int6_is_symmetric_only():
 def test_group_params_rejects_formats_it_does_not_cover(kwargs):
     with pytest.raises(ValueError):
         group_params(torch.randn(4, 32), **kwargs)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_symmetric_codes_centre_on_the_zero_point(bits):
+    # A group's largest magnitude maps to code 0 and zero weights to the zero point.
+    w = torch.tensor([[-1.0, 0.0, 0.5, 0.25] * 8])
+    qw = quantize(w, bits=bits, group_size=32, sym=True)
+    codes = (unpack_int4 if bits == 4 else unpack_int6)(qw.qweight)
+    assert codes[0, 0] == 0 and codes[0, 1] == sym_zero_point(bits)
+    with pytest.raises(ValueError):
+        sym_zero_point(5)
 
 
 def test_smaller_groups_are_more_accurate():
