@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from fastdraft import load_model
+from fastdraft.fileio import check_output_path
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import parse_quant_spec
 from fastdraft.quant.data import calibration_samples, evaluation_texts
@@ -25,7 +26,12 @@ def main() -> None:
     parser.add_argument("--output", required=True, help="folder for the quantized checkpoint")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation window")
     args = parser.parse_args()
-    config = parse_quant_spec(args.quant)  # a bad spec fails here, before any work
+    # A bad spec or an unwritable output fails here, before minutes of work.
+    try:
+        config = parse_quant_spec(args.quant)
+        check_output_path(args.output, is_dir=True)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     reference = load_model(args.model, dtype="bf16")
     samples = None

@@ -40,3 +40,10 @@ def test_quantize_and_evaluate_writes_a_loadable_checkpoint(llama_dir, tmp_path)
                       "--output", str(output), "--seq-len", "64")
     assert (output / "config.json").is_file() and (output / "model.safetensors").is_file()
     assert "rtn" in out and "saved" in out
+
+
+def test_quantize_and_evaluate_rejects_a_bad_spec_before_loading(tmp_path):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "quantize_and_evaluate.py"), "--model", "no-such-model",
+                           "--quant", "method=nope", "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "method" in proc.stderr and "Traceback" not in proc.stderr
