@@ -207,7 +207,7 @@ def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
 
     config = ModelConfig.from_file(model_dir / "config.json")
     mean_context = num_prompt + num_new / 2
-    return round(config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * mean_context * 2)
+    return round(config.kv_bytes_per_token(2) * mean_context)
 
 
 def _median_fraction(result: dict, bytes_per_token: int) -> float:

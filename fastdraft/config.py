@@ -77,6 +77,11 @@ class ModelConfig:
             return [self.eos_token_id]
         return list(self.eos_token_id)
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes of keys and values one cached token holds, all layers, at ``itemsize`` bytes
+        per element: what a decode step reads per token of context."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from an HF config dict; unknown keys are kept in ``extra``."""

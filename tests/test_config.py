@@ -19,6 +19,16 @@ def test_defaults_and_derived_fields():
     assert ModelConfig(**BASE, eos_token_id=[5, 6]).eos_token_ids == [5, 6]
 
 
+def test_kv_bytes_per_token_matches_the_cache_it_sizes():
+    import torch
+
+    from fastdraft.engine.kv_cache import KVCache
+
+    c = ModelConfig(**BASE)
+    cache = KVCache.from_config(c, max_seq_len=8, dtype=torch.bfloat16)
+    assert c.kv_bytes_per_token(2) * 8 == cache.num_bytes
+
+
 def test_qwen2_implies_attention_bias():
     assert ModelConfig.from_dict(dict(BASE, model_type="qwen2")).attention_bias
     assert not ModelConfig.from_dict(dict(BASE, model_type="qwen2", attention_bias=False)).attention_bias

@@ -101,7 +101,7 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
         q = unpack_int6(qw.qweight)  # [N, K] 0..63
         pad_value = sym_zero_point(6)
     else:
-        q = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)  # [N, K] 1..255
+        q = (qw.qweight.to(torch.int16) + sym_zero_point(8)).to(torch.uint8)  # [N, K] 1..255
         pad_value = sym_zero_point(8)
     q = F.pad(q, (0, k_pad - k, 0, n_pad - n), value=pad_value)
     q = q.reshape(n_pad // TILE, TILE, -1, 4)  # [tiles, 16, k_pad / 4, 4]

@@ -115,9 +115,7 @@ VERIFY_COST_PER_TOKEN = 0.08
 
 def _pass_bytes(model: LlamaForCausalLM, context_len: int) -> int:
     """Bytes one decode pass reads: the weights, and the keys/values of ``context_len`` tokens."""
-    cfg = model.config
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context_len * model.dtype.itemsize
-    return model.decode_weight_bytes() + kv
+    return model.decode_weight_bytes() + model.config.kv_bytes_per_token(model.dtype.itemsize) * context_len
 
 
 def modeled_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_len: int) -> StepCosts:
