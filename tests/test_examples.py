@@ -12,10 +12,14 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, *args: str) -> str:
+def start_example(name: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny matmuls: one thread (see conftest.py)
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           env=env, timeout=600)
+
+
+def run_example(name: str, *args: str) -> str:
+    proc = start_example(name, *args)
     if proc.returncode != 0:
         pytest.fail(f"{name} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -43,7 +47,6 @@ def test_quantize_and_evaluate_writes_a_loadable_checkpoint(llama_dir, tmp_path)
 
 
 def test_quantize_and_evaluate_rejects_a_bad_spec_before_loading(tmp_path):
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "quantize_and_evaluate.py"), "--model", "no-such-model",
-                           "--quant", "method=nope", "--output", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    proc = start_example("quantize_and_evaluate.py", "--model", "no-such-model", "--quant", "method=nope",
+                         "--output", str(tmp_path / "out"))
     assert proc.returncode == 2 and "method" in proc.stderr and "Traceback" not in proc.stderr
