@@ -24,8 +24,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE_NAMES = ("woq_x86.cpp", "fused_x86.cpp", "decoder_x86.cpp")
-HEADER_NAMES = ("x86_kernels.h",)
+SOURCE_NAMES = ("woq_x86.cpp", "fused_x86.cpp", "attention_x86.cpp", "decoder_x86.cpp", "sampling_x86.cpp")
+HEADER_NAMES = ("x86_kernels.h", "simd_x86.h")
 # Every instruction the kernels use; the build never targets the build machine (-march=native)
 # so that a cache shared between machines stays valid.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")

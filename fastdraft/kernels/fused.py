@@ -1,4 +1,4 @@
-"""Fused decoder-layer elementwise ops: C++ (``csrc/fused_x86.cpp``) with PyTorch twins.
+"""Fused decoder-layer ops: C++ (``csrc/fused_x86.cpp``, ``csrc/attention_x86.cpp``) with PyTorch twins.
 
 Each public function runs the C++ op when the tensors qualify (CPU, float32/bfloat16, the
 extension built) and otherwise its ``reference_*`` twin, which defines the semantics: the same

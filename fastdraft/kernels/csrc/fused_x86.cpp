@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd_x86.h"
 #include "x86_kernels.h"
 
 #include <algorithm>
@@ -14,47 +15,9 @@
 #include <type_traits>
 #include <vector>
 
+using namespace fastdraft::simd;
+
 namespace {
-
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline __m512 round_bf16(__m512 v) {  // float -> nearest-even bfloat16 -> float
-  __m512i i = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  i = _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  __m512i i = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(i));
-}
-// Round to the storage dtype, as a PyTorch op producing a T tensor would.
-template <typename T> inline __m512 to_dtype(__m512 v) { return v; }
-template <> inline __m512 to_dtype<at::BFloat16>(__m512 v) { return round_bf16(v); }
-
-// exp(x), ~2 ulp: Cephes' polynomial on the reduced argument, scaled by 2^n with vscalefps.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 mask_for(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1);
-}
 
 // One row of RMSNorm over s = a + b rounded to T (b null: s = a), written for columns
 // [c0, c1) only: out = w * to_T(s * inv_rms(s)), and sum = s where sum is not null. The sum of
@@ -68,12 +31,12 @@ void rms_norm_row(const T* a, const T* b, const T* w, T* sum, T* out, int64_t h,
   };
   __m512 ss = _mm512_setzero_ps();
   for (int64_t i = 0; i < h; i += 16) {
-    const __m512 v = value(i, mask_for(h - i));
+    const __m512 v = value(i, tail_mask(h - i));
     ss = _mm512_fmadd_ps(v, v, ss);
   }
   const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) + eps));
   for (int64_t i = c0; i < c1; i += 16) {
-    const __mmask16 m = mask_for(c1 - i);
+    const __mmask16 m = tail_mask(c1 - i);
     const __m512 v = value(i, m);
     if (sum) store16(sum + i, v, m);
     const __m512 y = to_dtype<T>(_mm512_mul_ps(v, vinv));
@@ -106,7 +69,7 @@ void silu_mul_span(const T* gate, const T* up, T* out, int64_t n) {
     silu_mul_16(gate + i + 32, up + i + 32, out + i + 32, 0xffff);
     silu_mul_16(gate + i + 48, up + i + 48, out + i + 48, 0xffff);
   }
-  for (; i < n; i += 16) silu_mul_16(gate + i, up + i, out + i, mask_for(n - i));
+  for (; i < n; i += 16) silu_mul_16(gate + i, up + i, out + i, tail_mask(n - i));
 }
 
 template <typename T>
@@ -122,7 +85,7 @@ void rotary_row(const T* x, const T* cos, const T* sin, T* out, int64_t heads, i
     const T* xh = x + hd * d;
     T* oh = out + hd * d;
     for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 m = mask_for(half - i);
+      const __mmask16 m = tail_mask(half - i);
       const __m512 x1 = load16(xh + i, m), x2 = load16(xh + half + i, m);
       const __m512 c1 = load16(cos + i, m), c2 = load16(cos + half + i, m);
       const __m512 s1 = load16(sin + i, m), s2 = load16(sin + half + i, m);
@@ -211,7 +174,7 @@ namespace {
 template <typename T>
 void add_span(const T* a, const T* b, T* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = mask_for(n - i);
+    const __mmask16 m = tail_mask(n - i);
     store16(out + i, _mm512_add_ps(load16(a + i, m), load16(b + i, m)), m);
   }
 }
@@ -234,17 +197,6 @@ void fastdraft::add_bias(const torch::Tensor& x, int64_t col0, const torch::Tens
     }
   }
 }
-
-namespace {
-
-// Calls fn(T* tag) with T the (float32 or bfloat16) dtype of x.
-template <typename F>
-void with_dtype(const torch::Tensor& x, F&& fn) {
-  if (x.scalar_type() == at::kFloat) fn(static_cast<float*>(nullptr));
-  else fn(static_cast<at::BFloat16*>(nullptr));
-}
-
-}  // namespace
 
 void fastdraft::add_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, int64_t c0,
                             int64_t c1) {
@@ -319,464 +271,4 @@ void fastdraft::rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tenso
       }
     }
   });
-}
-
-namespace {
-
-constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results are deterministic
-// Software prefetch this many keys ahead in q K^T and P V. A head's cached keys are one
-// contiguous run, but the hardware prefetchers stop at every 4 KiB boundary, so without it
-// each 16 keys (D=128) start with a DRAM round trip. On the Xeon, into L1: one layer over 1030
-// cold keys, 1.5B 34.0 -> 22.4 us, 0.5B 17.2 -> 13.0 us (3-4% slower when the keys are already
-// in cache); whole decode steps 1.03-1.04x. On AMD Zen 4, into L2: there L1 prefetches stalled
-// on the few L1 miss buffers (the prefetch loop was the hottest spot in a profile). One layer
-// over 1025 cold keys, interleaved, 2 threads: 1.5B 88-95 -> 61-65 us, 0.5B 47-58 -> 36-42 us
-// (32 keys ahead beat 16 and 64; adding an L1 prefetch 16 keys ahead lost 5-10%). Whole INT4
-// decode steps at 1024 keys, two interleaved runs: 1.5B 1.057x/1.063x, 0.5B 1.015x/1.014x;
-// 5-token verification 0.995x/1.026x (1.5B), 1.03x/1.011x (0.5B).
-constexpr int64_t kKeysAhead = 32;
-
-// Prefetch `count` bf16 values from p into L1 (L2_PREFETCH: into L2). The choice is a template
-// argument down the attention's call chain: a run-time branch here made the attention 10-20%
-// slower.
-template <bool L2_PREFETCH>
-inline void prefetch_row(const at::BFloat16* p, int64_t count) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, L2_PREFETCH ? _MM_HINT_T1 : _MM_HINT_T0);
-}
-
-// Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
-template <typename T>
-void qk_scores(const float* q, const T* k, int64_t k_stride, int64_t rows, int64_t d, int64_t l0, int64_t n,
-               float* scores) {
-  const int64_t vecs = d / 16;
-  for (int64_t l = 0; l < n; ++l) {
-    const T* kr = k + (l0 + l) * k_stride;
-    __m512 kv[16];
-    for (int64_t i = 0; i < vecs; ++i) kv[i] = load16(kr + 16 * i, 0xffff);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q + r * d;
-      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-      for (int64_t i = 1; i < vecs; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), kv[i], s);
-      scores[r * n + l] = _mm512_reduce_add_ps(s);
-    }
-  }
-}
-
-// In-register transpose of a 16x16 matrix of 32-bit elements (r[i] lane j -> r[j] lane i).
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + m]: rows 4i..4i+3, column 4L + m of each 128-bit lane L
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i v = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), w = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
-    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
-    r[m] = _mm512_shuffle_i32x4(v, v2, 0x88);
-    r[8 + m] = _mm512_shuffle_i32x4(v, v2, 0xDD);
-    r[4 + m] = _mm512_shuffle_i32x4(w, w2, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(w, w2, 0xDD);
-  }
-}
-
-// NR query rows (bf16 pairs, one dword per two dims) against a transposed key tile
-// kt [pairs][16 keys]: 16 scores per row, two accumulator chains per row (fixed, so a row's
-// result does not depend on how many rows share the call).
-template <int NR>
-__attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int64_t pairs, const uint32_t* kt,
-                                                         float scale, float* scores, int64_t n, int64_t lt,
-                                                         __mmask16 mask) {
-  // Fully unrolled over rows, so the accumulators live in registers (not stack arrays).
-  __m512 acc0[NR], acc1[NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < pairs; p += 2) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + 16 * p);
-    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + 16 * (p + 1));
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p])));
-      acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + p + 1])));
-    }
-  }
-  const __m512 vscale = _mm512_set1_ps(scale);
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-    _mm512_mask_storeu_ps(scores + r * n + lt, mask, _mm512_mul_ps(_mm512_add_ps(acc0[r], acc1[r]), vscale));
-}
-
-// bf16 scores with AVX512-BF16 dot products: each 16-key tile is transposed once (to 16 keys
-// per vector) and shared by every query row, so no row pays a horizontal reduction per key.
-template <bool L2_PREFETCH>
-void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d,
-                    int64_t l0, int64_t n, float* scores) {
-  const int64_t pairs = d / 2;
-  alignas(64) uint32_t kt[128 * 16];  // [pairs][16 keys], d <= 256
-  for (int64_t lt = 0; lt < n; lt += 16) {
-    const int64_t nk = std::min<int64_t>(16, n - lt);
-    for (int64_t j = lt + kKeysAhead; j < std::min<int64_t>(n, lt + kKeysAhead + 16); ++j)
-      prefetch_row<L2_PREFETCH>(k + (l0 + j) * k_stride, d);
-    for (int64_t c = 0; c < pairs / 16; ++c) {
-      __m512i tile[16];
-      for (int j = 0; j < 16; ++j)
-        tile[j] = j < nk ? _mm512_loadu_si512(k + (l0 + lt + j) * k_stride + 32 * c) : _mm512_setzero_si512();
-      transpose16x16(tile);
-      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + 16 * (16 * c + p), tile[p]);
-    }
-    const __mmask16 mask = mask_for(nk);
-    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-      const uint32_t* qr = qp + r0 * pairs;
-      float* sr = scores + r0 * n;
-      switch (std::min<int64_t>(8, rows - r0)) {
-        case 1: qk_tile_bf16<1>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 2: qk_tile_bf16<2>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 3: qk_tile_bf16<3>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 4: qk_tile_bf16<4>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 5: qk_tile_bf16<5>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 6: qk_tile_bf16<6>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        case 7: qk_tile_bf16<7>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-        default: qk_tile_bf16<8>(qr, pairs, kt, scale, sr, n, lt, mask); break;
-      }
-    }
-  }
-}
-
-// One block of NR query rows x NV * 16 dims of P V (bf16 dot products over key pairs). The
-// sizes are compile-time so the NR x NV accumulators stay in registers. p_pairs [NR rows of
-// num_pairs]; a row stops at its own last key pair (row_pairs), every row sees pairs_all.
-template <int NR, int NV, bool L2_PREFETCH>
-__attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int64_t num_pairs,
-                                                    const int64_t* row_pairs, int64_t pairs_all, int64_t pairs_any,
-                                                    const at::BFloat16* v, int64_t v_stride, int64_t n,
-                                                    float* acc_out, int64_t d) {
-  const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-  __m512 acc[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs_any; ++j) {
-    const at::BFloat16* va = v + 2 * j * v_stride;
-    if (2 * j + kKeysAhead + 1 < n)  // this block's dims of the two rows kKeysAhead keys on
-      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row<L2_PREFETCH>(va + r * v_stride, 16 * NV);
-    const bool has_b = 2 * j + 1 < n;
-    __m512i vv[NV];  // dims 16i..16i+15 of keys 2j and 2j+1, interleaved
-    for (int h = 0; h < NV / 2; ++h) {
-      const __m512i a = _mm512_loadu_si512(va + 32 * h);
-      const __m512i b = has_b ? _mm512_loadu_si512(va + v_stride + 32 * h) : _mm512_setzero_si512();
-      vv[2 * h] = _mm512_permutex2var_epi16(a, idx_lo, b);
-      vv[2 * h + 1] = _mm512_permutex2var_epi16(a, idx_hi, b);
-    }
-    const bool is_shared = j < pairs_all;
-    for (int r = 0; r < NR; ++r) {
-      if (!is_shared && j >= row_pairs[r]) continue;
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[r * num_pairs + j]));
-      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)vv[i], p);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * d + 16 * i, acc[r][i]);
-}
-
-template <int NV, bool L2_PREFETCH>
-void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* row_pairs, int64_t pairs_all,
-             int64_t pairs_any, const at::BFloat16* v, int64_t v_stride, int64_t n, float* out, int64_t d) {
-  switch (nr) {
-    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-    default:
-      pv_block<6, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
-      break;
-  }
-}
-
-// P V with AVX512-BF16 dot products over pairs of keys: bf16 probabilities p_pairs [rows,
-// num_pairs] (dword j = keys 2j, 2j+1; zero past a row's last key) -> acc_out [rows, d] fp32.
-// Two V rows are interleaved once (16 dims x 2 keys per vector) and feed up to 6 query rows,
-// 64 dims at a time. A row stops at its own last key pair; an odd last key is paired with a
-// zero row.
-template <bool L2_PREFETCH>
-void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, int64_t v_stride, int64_t rows,
-             int64_t d, int64_t l0, int64_t n, const int64_t* num_keys, float* acc_out) {
-  std::vector<int64_t> row_pairs(rows);
-  for (int64_t r = 0; r < rows; ++r) row_pairs[r] = (num_keys[r] + 1) / 2;
-  constexpr int kRows = 6;  // 6 rows x 4 vectors of accumulators fit the 32 vector registers
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int64_t nr = std::min<int64_t>(kRows, rows - r0);
-    int64_t pairs_all = num_pairs, pairs_any = 0;
-    for (int64_t r = 0; r < nr; ++r) {
-      pairs_all = std::min(pairs_all, row_pairs[r0 + r]);
-      pairs_any = std::max(pairs_any, row_pairs[r0 + r]);
-    }
-    const uint32_t* pp = p_pairs + r0 * num_pairs;
-    const at::BFloat16* vb = v + l0 * v_stride;
-    for (int64_t c0 = 0; c0 < d; c0 += 64) {
-      float* out = acc_out + r0 * d + c0;
-      if (d - c0 >= 64)
-        pv_rows<4, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
-                                out, d);
-      else  // d % 32 == 0 on this path: a last 32 dims
-        pv_rows<2, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
-                                out, d);
-    }
-  }
-}
-
-// One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
-// keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
-template <typename T, bool L2_PREFETCH>
-void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T* k, const T* v, int64_t k_stride,
-                  int64_t v_stride, int64_t rows, int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys,
-                  float* max_out, float* sum_out, float* acc_out) {
-  const int64_t n = l1 - l0;
-  std::vector<float> scores(rows * n);
-  const int64_t vecs = d / 16;
-  const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (is_bf16) qk_scores_bf16<L2_PREFETCH>(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
-  }
-  if (!is_bf16) qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
-  // bf16 path: probabilities rounded to bf16 and packed in key pairs for pv_bf16, zero past
-  // each row's last key (an odd last key pairs with zero).
-  const int64_t num_pairs = (n + 1) / 2;
-  std::vector<uint16_t> probs_bf16(is_bf16 ? rows * 2 * num_pairs : 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = scores.data() + r * n;
-    const int64_t nr = num_keys[r];
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t l = 0; l < nr; l += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, mask_for(nr - l), sr + l));
-    const float m = _mm512_reduce_max_ps(vmax);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t l = 0; l < nr; l += 16) {
-      const __mmask16 mk = mask_for(nr - l);
-      __m512 e = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + l), _mm512_set1_ps(m))));
-      if (is_bf16) {
-        e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
-        // e is already bf16-valued: store its top halves (store16 would round a second time,
-        // measured about 1.1x slower for a 5-token verification).
-        _mm256_mask_storeu_epi16(probs_bf16.data() + r * 2 * num_pairs + l, mk,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(e), 16)));
-      } else {
-        _mm512_mask_storeu_ps(sr + l, mk, e);
-      }
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    max_out[r] = m;
-    sum_out[r] = _mm512_reduce_add_ps(vsum);
-  }
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (is_bf16) {
-      pv_bf16<L2_PREFETCH>(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, v_stride, rows, d, l0,
-                           n, num_keys, acc_out);
-      return;
-    }
-  }
-  // out = P V: each V row is converted once and feeds up to 6 query rows, 64 dims at a time
-  // (6 x 4 accumulators fit the 32 vector registers). A row stops at its own last key.
-  constexpr int kRows = 6, kVecs = 4;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int64_t nr = std::min<int64_t>(kRows, rows - r0);
-    int64_t n_all = n, n_any = 0;  // keys every row of the block sees / any row sees
-    for (int64_t r = 0; r < nr; ++r) {
-      n_all = std::min(n_all, num_keys[r0 + r]);
-      n_any = std::max(n_any, num_keys[r0 + r]);
-    }
-    for (int64_t i0 = 0; i0 < vecs; i0 += kVecs) {
-      const int64_t nv = std::min<int64_t>(kVecs, vecs - i0);
-      __m512 acc[kRows][kVecs];
-      for (int r = 0; r < kRows; ++r)
-        for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_setzero_ps();
-      for (int64_t l = 0; l < n_any; ++l) {
-        const T* vr = v + (l0 + l) * v_stride + 16 * i0;
-        __m512 vv[kVecs];
-        for (int i = 0; i < kVecs; ++i) vv[i] = i < nv ? load16(vr + 16 * i, 0xffff) : _mm512_setzero_ps();
-        const bool is_shared = l < n_all;
-        for (int r = 0; r < kRows; ++r) {
-          if (r >= nr) break;
-          if (!is_shared && l >= num_keys[r0 + r]) continue;
-          const __m512 p = _mm512_set1_ps(scores[(r0 + r) * n + l]);
-          for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_fmadd_ps(p, vv[i], acc[r][i]);
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(acc_out + (r0 + r) * d + 16 * (i0 + i), acc[r][i]);
-    }
-  }
-}
-
-}  // namespace
-
-// q [B, H, R, D] (scaled inside), k/v [B, H, L, D] with unit last stride -> out [B, H, R, D].
-// The R rows are `num_tokens` consecutive query tokens (token-major: R / num_tokens rows each,
-// e.g. grouped heads), the last of which is key L - 1: token t sees keys 0..L - num_tokens + t,
-// causal as in speculative verification. Each row's arithmetic is the same whatever the
-// other rows, so verifying T tokens at once is bit-identical to T one-token decode steps.
-// bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
-// (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
-// does; the softmax itself is fp32.
-void fastdraft::attention_replan(AttentionPlan& p, const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, double scale, int64_t num_tokens, int64_t len) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "q, k, v: one dtype, f32 or bf16");
-  TORCH_CHECK(len <= k.size(2), "len exceeds the keys");
-  if (len < 0) len = k.size(2);
-  p.batch = q.size(0), p.heads = q.size(1), p.rows = q.size(2), p.head_dim = q.size(3), p.len = len;
-  const int64_t b = p.batch, h = p.heads, rows = p.rows, d = p.head_dim;
-  TORCH_CHECK(k.size(0) == b && k.size(1) == h && k.size(3) == d && v.sizes() == k.sizes(), "k/v shape mismatch");
-  TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
-  TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  p.q = q, p.k = k, p.v = v, p.scale = static_cast<float>(scale);
-  // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
-  // the fp32 path takes q pre-scaled (attention_scale_q).
-  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && fastdraft::cpu_has_avx512_bf16();
-  if (p.is_bf16_dot) {
-    p.q_pairs = q;  // [B, H, R, D]
-  } else if (!p.qf.defined() || p.qf.sizes() != q.sizes()) {
-    p.qf = torch::empty(q.sizes(), q.options().dtype(at::kFloat));  // [B, H, R, D]
-  }
-  p.row_len.resize(rows);
-  const int64_t rows_per_token = rows / num_tokens;
-  for (int64_t r = 0; r < rows; ++r) p.row_len[r] = len - num_tokens + 1 + r / rows_per_token;
-  p.splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
-  p.num_items = b * h * p.splits;
-  p.pmax.resize(p.num_items * rows);
-  p.psum.resize(p.num_items * rows);
-  p.pacc.resize(p.num_items * rows * d);
-}
-
-void fastdraft::attention_scale_q(AttentionPlan& p, int64_t h0, int64_t h1) {
-  if (p.is_bf16_dot) return;
-  const int64_t per_head = p.rows * p.head_dim;
-  // As (q.to(float) * scale) would: one fp32 product per element.
-  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
-    if (bh % p.heads < h0 || bh % p.heads >= h1) continue;
-    float* out = p.qf.data_ptr<float>() + bh * per_head;
-    const __m512 scale = _mm512_set1_ps(p.scale);
-    with_dtype(p.q, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      const T* in = p.q.data_ptr<T>() + bh * per_head;
-      for (int64_t i = 0; i < per_head; i += 16) store16(out + i, _mm512_mul_ps(load16(in + i, 0xffff), scale), 0xffff);
-    });
-  }
-}
-
-fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v, double scale, int64_t num_tokens,
-                                                   int64_t len) {
-  AttentionPlan p;
-  attention_replan(p, q.contiguous(), k, v, scale, num_tokens, len);
-  attention_scale_q(p, 0, p.heads);
-  return p;
-}
-
-void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
-  const int64_t h = p.heads, rows = p.rows, d = p.head_dim, len = p.len, splits = p.splits;
-  const torch::Tensor &k = p.k, &v = p.v;
-  std::vector<int64_t> num_keys(rows);
-  for (int64_t it = i0; it < i1; ++it) {
-    const int64_t bh = it / splits, sp = it % splits;
-    const int64_t bi = bh / h, hi = bh % h;
-    const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
-    for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(p.row_len[r] - l0, 0, l1 - l0);
-    const float* qp = p.is_bf16_dot ? nullptr : p.qf.data_ptr<float>() + bh * rows * d;
-    float* mo = p.pmax.data() + it * rows;
-    float* so = p.psum.data() + it * rows;
-    float* ao = p.pacc.data() + it * rows * d;
-    if (k.scalar_type() == at::kFloat) {
-      const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
-      const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-      attend_split<float, false>(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(),
-                                 mo, so, ao);
-    } else {
-      const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
-      const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
-      const uint32_t* pairs = p.is_bf16_dot
-          ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-      if (fastdraft::is_amd_cpu())  // into L2 there, see kKeysAhead
-        attend_split<at::BFloat16, true>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
-                                         num_keys.data(), mo, so, ao);
-      else
-        attend_split<at::BFloat16, false>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
-                                          num_keys.data(), mo, so, ao);
-    }
-  }
-}
-
-namespace {
-
-// Combines the splits of row r of batch-head bh into out + off.
-void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const torch::Tensor& out, int64_t off) {
-  const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
-  const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
-  float m = -INFINITY;
-  for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, p.pmax[(bh * splits + sp) * rows + r]);
-  float total = 0.0f;
-  __m512 acc[16];
-  for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t sp = 0; sp < row_splits; ++sp) {
-    const int64_t it = bh * splits + sp;
-    const float w = std::exp(p.pmax[it * rows + r] - m);
-    total += w * p.psum[it * rows + r];
-    const __m512 wv = _mm512_set1_ps(w);
-    for (int64_t i = 0; i < d / 16; ++i)
-      acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / total);
-  if (out.scalar_type() == at::kFloat) {
-    float* o = out.data_ptr<float>() + off;
-    for (int64_t i = 0; i < d / 16; ++i) store16(o + 16 * i, _mm512_mul_ps(acc[i], inv), 0xffff);
-  } else {
-    at::BFloat16* o = out.data_ptr<at::BFloat16>() + off;
-    for (int64_t i = 0; i < d / 16; ++i) store16(o + 16 * i, _mm512_mul_ps(acc[i], inv), 0xffff);
-  }
-}
-
-}  // namespace
-
-torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
-  auto out = torch::empty({p.batch, p.heads, p.rows, p.head_dim}, p.q.options());
-  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
-    for (int64_t r = 0; r < p.rows; ++r) finish_row(p, bh, r, out, (bh * p.rows + r) * p.head_dim);
-  return out;
-}
-
-void fastdraft::attention_finish_tokens_heads(const AttentionPlan& p, int64_t num_tokens, const torch::Tensor& out,
-                                              int64_t j0, int64_t j1) {
-  TORCH_CHECK(p.batch == 1 && num_tokens >= 1 && p.rows % num_tokens == 0, "rows must be num_tokens groups of one batch");
-  const int64_t group = p.rows / num_tokens, num_q_heads = p.heads * group;
-  TORCH_CHECK(out.is_contiguous() && out.numel() == num_tokens * num_q_heads * p.head_dim &&
-                  out.scalar_type() == p.q.scalar_type() && 0 <= j0 && j0 <= j1 && j1 <= num_q_heads,
-              "out must be [num_tokens, heads * head_dim] in q's dtype");
-  // Query head j is row j % group of kv head j / group; out is [T, H, group, D].
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t t = 0; t < num_tokens; ++t)
-      finish_row(p, j / group, t * group + j % group, out, (t * num_q_heads + j) * p.head_dim);
-}
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
-  auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);
-  at::parallel_for(0, plan.num_items, 1, [&](int64_t i0, int64_t i1) { fastdraft::attention_items(plan, i0, i1); });
-  return fastdraft::attention_finish(plan);
 }

@@ -22,12 +22,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd_x86.h"
 #include "x86_kernels.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+using namespace fastdraft::simd;
 
 namespace {
 
@@ -58,29 +61,6 @@ inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
   else
     acc = _mm512_dpbusd_epi32(acc, u8, s8);
-}
-
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  __m256i v = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion does.
-  __m512i i = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  i = _mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(i, 16)));
-}
-
-inline __mmask16 tail_mask(int64_t remaining) {
-  if (remaining >= 16) return 0xffff;
-  if (remaining <= 0) return 0;
-  return static_cast<__mmask16>((1u << remaining) - 1);
 }
 
 // Asymmetric zero points of one weight: uint8 integers or fp16 fractions (one is set).
@@ -591,9 +571,12 @@ torch::Tensor woq_dequantize(torch::Tensor packed, torch::Tensor scales, torch::
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+// attention_x86.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens);
 // decoder_x86.cpp
 void bind_decoder(pybind11::module& m);
+// sampling_x86.cpp
+void bind_sampling(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
@@ -612,4 +595,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "INT4/INT6/INT8 weight-only linear (AVX-512 VNNI)");
   m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT6/INT8 weight");
   bind_decoder(m);
+  bind_sampling(m);
 }

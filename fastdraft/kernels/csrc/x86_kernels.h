@@ -36,7 +36,7 @@ struct WoqWeight {
   const uint8_t* tile(int64_t t) const { return packed.data_ptr<uint8_t>() + t * tile_bytes(); }
 };
 
-// Whether the CPU is AMD's: a few prefetch choices differ there (woq_x86.cpp, fused_x86.cpp).
+// Whether the CPU is AMD's: a few prefetch choices differ there (woq_x86.cpp, attention_x86.cpp).
 inline bool is_amd_cpu() {
   static const bool is_amd = __builtin_cpu_is("amd");
   return is_amd;
@@ -109,7 +109,7 @@ void rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, con
                          const torch::Tensor& v_cache, int64_t start, const torch::Tensor& q_rows, int64_t h0,
                          int64_t h1);
 
-// Decode attention (fused_x86.cpp::decode_attention) as plan -> items -> finish.
+// Decode attention (attention_x86.cpp::decode_attention) as plan -> items -> finish.
 struct AttentionPlan {
   torch::Tensor q, k, v, q_pairs, qf;
   float scale = 1.0f;
