@@ -1,7 +1,7 @@
 // Token selection on fp32 rows, for the sampler and the speculative verifier: argmax as
 // torch.argmax gives it, inverse-CDF draws, and the rejection sampler's accept / recover rule,
 // each one C++ call instead of several PyTorch ops per step. Reference twins:
-// fastdraft/layers/sampler.py (argmax, reference_sample_from_probs) and
+// fastdraft/layers/sampler.py (torch.argmax in greedy_ids, reference_sample_from_probs) and
 // fastdraft/spec/rejection_sampler.py (verify_sampled).
 #include <torch/extension.h>
 #include <immintrin.h>
