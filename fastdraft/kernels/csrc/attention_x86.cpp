@@ -1,7 +1,7 @@
 // Decode attention (AVX-512, AVX512-BF16 where the CPU has it): a few new query tokens of one
 // sequence over its cached keys and values, split into (head, key block) items that any thread
 // may run, and a serial finish that merges the blocks' partial softmaxes (flash-decoding).
-// Reference twin: fastdraft/kernels/reference.py.
+// Reference twin: fastdraft/kernels/fused.py::reference_decode_attention.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -11,8 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 

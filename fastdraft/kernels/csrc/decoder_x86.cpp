@@ -22,12 +22,12 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
-#include <limits>
 #include <memory>
 #include <numeric>
 #include <utility>
 #include <vector>
 
+#include "simd_x86.h"
 #include "x86_kernels.h"
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -604,15 +604,13 @@ torch::Tensor to_float(const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat) return x;
   if (x.scalar_type() != torch::kBFloat16 || !x.is_contiguous()) return x.to(torch::kFloat);
   auto out = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));
-  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  float* dst = out.data_ptr<float>();
   const int64_t n = x.numel();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(wide, 16));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = fastdraft::simd::tail_mask(n - i);
+    fastdraft::simd::store16(dst + i, fastdraft::simd::load16(src + i, m), m);
   }
-  for (; i < n; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
   return out;
 }
 
