@@ -182,7 +182,15 @@ class TextGenerator:
         params = params or SamplingParams()
         start = time.perf_counter()
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt
-        prompt_ids = list(prompt) if is_ids else self.encode_prompt(prompt, chat)
+        if is_ids:
+            prompt_ids = list(prompt)
+            vocab_size = self.model.config.vocab_size
+            if not all(0 <= t < vocab_size for t in prompt_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size}), the model's vocabulary")
+        elif isinstance(prompt, (str, list)):
+            prompt_ids = self.encode_prompt(prompt, chat)
+        else:
+            raise ValueError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
         check_request(len(prompt_ids), params, self.max_seq_len)
         stream = GenerationStream()
         stream.prompt_ids = prompt_ids

@@ -51,6 +51,8 @@ class LLM:
     def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a string or a list of strings")
         params = sampling_params or SamplingParams()
         return [self._run(prompt, params, chat=False) for prompt in prompts]
 
@@ -98,6 +100,8 @@ class CausalLM:
         """Continue each row of ``input_ids`` [batch, seq]; returns prompt + new ids, rows
         right-padded with the first EOS id when they end at different lengths."""
         ids = torch.as_tensor(input_ids)
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[1] == 0:
@@ -119,6 +123,8 @@ class AutoModelForCausalLM:
                         assistant_model: CausalLM | None = None, num_speculative_tokens: int = 4,
                         device: str = "cpu", draft_device: str | None = None, max_seq_len: int = 4096,
                         dtype: str = "bf16") -> CausalLM:
+        if not isinstance(speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {speculative!r}")
         if load_in_low_bit in ("bf16", "fp32"):
             dtype = load_in_low_bit
         loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Real
+
+# torch.Generator.manual_seed takes 64-bit values; a CPU draft beside a CUDA target seeds its own
+# generator with seed + 1, so the signed range keeps both in bounds.
+_SEED_RANGE = (-2**63, 2**63 - 2)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -20,14 +34,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 2], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
 

@@ -42,6 +42,21 @@ def test_bad_input_is_a_value_error(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_models.dir("qwen2")), load_in_low_bit="fp32")
     with pytest.raises(ValueError):
         model.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        model.generate(torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        model.generate(torch.tensor([[1, model.config.vocab_size]]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        model.generate(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="speculative"):
+        AutoModelForCausalLM.from_pretrained(str(tiny_models.dir("qwen2")), load_in_low_bit="fp32",
+                                             speculative="yes")
     with pytest.raises(ValueError):
         LLM(model=str(tiny_models.dir("qwen2")), speculative_model="self", num_speculative_tokens=0)
+    llm = LLM(model=str(tiny_models.dir("qwen2")), dtype="fp32", max_model_len=64)
+    for prompts in (None, [123], ["ok", b"bytes"]):
+        with pytest.raises(ValueError, match="prompts"):
+            llm.generate(prompts)
+    with pytest.raises(ValueError, match="a prompt is"):
+        llm.generator.stream(42)
     assert fastdraft.SpeculativeConfig().draft == "self"

@@ -1,0 +1,41 @@
+"""SamplingParams rejects bad values with a ValueError that names the field."""
+
+import math
+
+import pytest
+
+from fastdraft import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 4.0}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_p": "0.9"}, "top_p"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": 1.0}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"seed": 2**63 - 1}, "seed"),  # seed + 1 seeds a separate draft's generator
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop"),
+])
+def test_bad_values_raise_value_error(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_edge_values_are_accepted():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams(temperature=1, top_p=1, seed=2**63 - 2).temperature == 1
+    assert SamplingParams(seed=-2**63).seed == -2**63
+    assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams(temperature=1e-6).is_greedy
