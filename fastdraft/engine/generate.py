@@ -181,7 +181,9 @@ class TextGenerator:
         ``prompt`` is text, chat messages, or token ids."""
         params = params or SamplingParams()
         start = time.perf_counter()
-        is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty (no token ids or chat messages)")
+        is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         if is_ids:
             prompt_ids = list(prompt)
             vocab_size = self.model.config.vocab_size

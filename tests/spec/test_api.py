@@ -59,4 +59,6 @@ def test_bad_input_is_a_value_error(tiny_models):
             llm.generate(prompts)
     with pytest.raises(ValueError, match="a prompt is"):
         llm.generator.stream(42)
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([])
     assert fastdraft.SpeculativeConfig().draft == "self"
