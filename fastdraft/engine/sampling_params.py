@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from numbers import Real
+from numbers import Integral, Real
 
 # torch.Generator.manual_seed takes 64-bit values; a CPU draft beside a CUDA target seeds its own
 # generator with seed + 1, so the signed range keeps both in bounds.
@@ -16,7 +16,7 @@ def _is_real(value: object) -> bool:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -48,6 +48,10 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 2], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        # NumPy scalars pass the checks above; store plain Python numbers.
+        self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)
 
     @property
     def is_greedy(self) -> bool:

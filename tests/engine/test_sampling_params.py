@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from fastdraft import SamplingParams
@@ -39,3 +40,12 @@ def test_edge_values_are_accepted():
     assert SamplingParams(temperature=1, top_p=1, seed=2**63 - 2).temperature == 1
     assert SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams(temperature=1e-6).is_greedy
+
+
+def test_numpy_scalars_are_stored_as_python_numbers():
+    params = SamplingParams(max_new_tokens=np.int64(8), temperature=np.float32(0.5), top_k=np.int32(3),
+                            top_p=np.float64(0.9), seed=np.uint32(7))
+    assert type(params.max_new_tokens) is int and type(params.top_k) is int and type(params.seed) is int
+    assert type(params.temperature) is float and params.temperature == 0.5
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=np.bool_(True))
