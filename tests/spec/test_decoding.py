@@ -1,6 +1,7 @@
 """Speculative decoding on tiny models: greedy equality, rollback, adaptivity, errors."""
 
 import json
+import random
 import shutil
 from dataclasses import replace
 
@@ -378,6 +379,30 @@ def test_ngram_proposer_copies_the_continuation():
     proposal = proposer.propose(tokens, 3, SamplingParams(), None)
     assert proposal.draft_token_ids.tolist() == [4, 5, 9]
     assert proposer.propose([7, 8], 3, SamplingParams(), None).draft_token_ids.numel() == 0
+
+
+def _scan_ngram(token_ids: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by scanning the context: longest n-gram first, latest earlier occurrence."""
+    for n in range(min(max_ngram, len(token_ids) - 1), min_ngram - 1, -1):
+        for start in range(len(token_ids) - n - 1, -1, -1):
+            if token_ids[start:start + n] == token_ids[-n:]:
+                return token_ids[start + n:start + n + num_tokens]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_ngram_index_matches_a_scan_of_the_context(max_ngram, min_ngram):
+    rng = random.Random(max_ngram * 10 + min_ngram)
+    proposer = NgramProposer(vocab_size=8, max_ngram=max_ngram, min_ngram=min_ngram)
+    for _ in range(3):  # requests: a new prompt rebuilds the index, with or without start()
+        tokens = [rng.randrange(8) for _ in range(rng.randrange(1, 12))]
+        if rng.random() < 0.5:
+            proposer.start(tokens)
+        for _ in range(60):  # committed tokens grow by 1 to 5 a step, as in speculative decoding
+            num_tokens = rng.randrange(1, 6)
+            proposal = proposer.propose(tokens, num_tokens, SamplingParams(), None)
+            assert proposal.draft_token_ids.tolist() == _scan_ngram(tokens, num_tokens, max_ngram, min_ngram)
+            tokens = tokens + [rng.randrange(8) for _ in range(rng.randrange(1, 6))]
 
 
 def test_draft_length_must_fit_the_padded_shape(target):
