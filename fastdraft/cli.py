@@ -237,7 +237,10 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
     config = parse_quant_spec(args.quant) if args.quant and not args.checkpoint else None
     if args.checkpoint:
-        resolve_model_dir(args.checkpoint)
+        try:
+            resolve_model_dir(args.checkpoint)
+        except ValueError as err:
+            raise ValueError(f"--checkpoint: {err}") from None
     if args.json:
         check_output_path(args.json, is_dir=False)
     reference = load_model(args.model, dtype=args.dtype)

@@ -153,7 +153,8 @@ def test_eval_checks_its_arguments_before_scoring_the_reference(capsys, monkeypa
     _no_long_work(monkeypatch)
     model = ["eval", "--model", str(llama_dir)]
     _fails_cleanly(capsys, model + ["--quant", "method=foo"], "unknown quantization method")
-    _fails_cleanly(capsys, model + ["--checkpoint", str(tmp_path / "missing")], "missing")
+    _fails_cleanly(capsys, model + ["--checkpoint", str(tmp_path / "missing")], "--checkpoint: unknown model")
+    _fails_cleanly(capsys, model + ["--quant", str(tmp_path / "missing.json")], "neither an existing JSON file")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     _fails_cleanly(capsys, model + ["--quant", "method=rtn", "--json", str(blocker / "out.json")], "cannot write")

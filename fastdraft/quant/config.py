@@ -194,6 +194,8 @@ def parse_quant_spec(spec: str) -> QuantConfig:
     (``int8_linears=v_proj+o_proj``)."""
     if Path(spec).is_file():
         return QuantConfig.from_file(spec)
+    if "=" not in spec:
+        raise ValueError(f"quantization spec {spec!r} is neither an existing JSON file nor key=value items")
     raw: dict[str, Any] = {}
     types = {f.name: f.type for f in fields(QuantConfig)}
     for item in filter(None, (part.strip() for part in spec.split(","))):

@@ -178,13 +178,15 @@ def test_group_size_must_divide_in_features():
         quantize(torch.randn(4, 96), 4, 64)
 
 
-def test_parse_quant_spec():
+def test_parse_quant_spec(tmp_path):
     config = parse_quant_spec("method=gptq,group_size=64,sym=false,act_order=true")
     assert (config.method, config.group_size, config.sym, config.act_order) == ("gptq", 64, False, True)
     with pytest.raises(ValueError):
         parse_quant_spec("group_size=abc")
     with pytest.raises(ValueError):
         parse_quant_spec("unknown_key=1")
+    with pytest.raises(ValueError, match="neither an existing JSON file"):
+        parse_quant_spec(str(tmp_path / "missing.json"))
 
 
 def test_mixed_precision_layers_follow_llama_cpp_q4_k_m():
