@@ -449,6 +449,31 @@ def test_step_costs_are_median_ratios_to_the_same_rounds_plain_step(target, monk
         measure_step_costs(target.model, proposer, 1, repeats=0)
 
 
+def test_step_cost_timing_stops_at_its_time_budget(target, monkeypatch):
+    import fastdraft.spec.draft_length as draft_length
+
+    cache = KVCache.from_config(target.config, 64, dtype=target.model.dtype)
+    proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=1), target, cache)
+    num_calls = 0
+
+    def clock() -> float:  # every timed pass takes 0.2 s: a round of three passes 0.6 s
+        nonlocal num_calls
+        num_calls += 1
+        return 0.2 * (num_calls // 2)
+
+    monkeypatch.setattr(draft_length.time, "perf_counter", clock)
+    measure_step_costs(target.model, proposer, 1, context_len=8, repeats=7, min_repeats=2, time_budget_s=1.5)
+    assert num_calls == 3 * 3 * 2  # 1.2 s after two rounds, 1.8 s after the third: stop
+    num_calls = 0
+    measure_step_costs(target.model, proposer, 1, context_len=8, repeats=7, min_repeats=4, time_budget_s=0.0)
+    assert num_calls == 4 * 3 * 2  # never fewer than min_repeats rounds
+    num_calls = 0
+    measure_step_costs(target.model, proposer, 1, context_len=8, repeats=5, time_budget_s=100.0)
+    assert num_calls == 5 * 3 * 2  # nor more than repeats
+    with pytest.raises(ValueError, match="min_repeats"):
+        measure_step_costs(target.model, proposer, 1, min_repeats=0)
+
+
 def test_step_costs_are_measured_once_per_range_of_prompt_lengths(target, monkeypatch):
     cache = KVCache.from_config(target.config, 256, dtype=target.model.dtype)
     proposer = build_proposer(SpeculativeConfig(draft="self", num_speculative_tokens=3), target, cache)
