@@ -125,9 +125,9 @@ class NgramProposer:
         self._latest_start: dict[int, dict[tuple[int, ...], int]] = {}  # n -> n-gram -> latest start
 
     def start(self, prompt_ids: list[int]) -> None:
-        """A new sequence: index its prompt now, as part of the time to first token."""
-        self._indexed_ids, self._latest_start = [], {}
-        self._index(list(prompt_ids))
+        """A new sequence: index its prompt now, as part of the time to first token. The index
+        depends on the tokens alone, so a prompt that continues the indexed tokens keeps it."""
+        self._index(prompt_ids)
 
     def _index(self, token_ids: list[int]) -> None:
         """Extend the index to ``token_ids``; rebuild it when they do not continue what it covers."""
@@ -141,7 +141,7 @@ class NgramProposer:
             # overwrite earlier ones, so each n-gram maps to its latest occurrence.
             for start in range(max(num_old - n, 0), len(token_ids) - n):
                 latest[tuple(token_ids[start:start + n])] = start
-        self._indexed_ids = list(token_ids)
+        self._indexed_ids.extend(token_ids[num_old:])
 
     def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None, stops_when_unconfident: bool = False) -> Proposal:
