@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_latency import STABLE_PROBES, measure_bandwidth, memory_state  # noqa: E402
+from bench_latency import FAST_STATE_GB_S, STABLE_PROBES, measure_bandwidth, memory_state  # noqa: E402
 
 from fastdraft.engine.generate import TextGenerator  # noqa: E402
 from fastdraft.engine.sampling_params import SamplingParams  # noqa: E402
@@ -65,7 +65,7 @@ def one_run(generator: TextGenerator, ids: list[int], params: SamplingParams) ->
 
 
 def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_list: list[SamplingParams],
-             repeats: int) -> tuple[dict, dict, float]:
+             repeats: int, split_gb_s: float = FAST_STATE_GB_S) -> tuple[dict, dict, float]:
     """Plain and speculative runs alternated, ``repeats`` rounds over every ``params`` (one per
     seed): this machine's bandwidth drifts within minutes, so back-to-back blocks would compare
     different machines. A round's time per token pools its seeds (each seed is a different
@@ -75,8 +75,8 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
     on this VM's fast memory state a 1-token step speeds up much more than a multi-token
     verification (which is then bound by arithmetic), so the speedup depends on the state.
     The speculative summary also holds every pair's speedup (``pair_speedups``) and, from a
-    second probe after each pair, its memory state (``pair_states``: "slow", "fast", or None
-    when the probes disagree).
+    second probe after each pair, its memory state (``pair_states``: "slow", "fast" from
+    ``split_gb_s`` GB/s up, or None when the probes disagree).
     Returns the plain and speculative summaries and the median bandwidth probe (GB/s)."""
     for generator in (plain, spec):
         generator.generate(ids[:32], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -99,7 +99,7 @@ def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_l
                     first[name].append(r)
             pair_speedups.append(pair["plain"] / pair["spec"])
             after = measure_bandwidth(gib=0.25, repeats=3)
-            pair_states.append(memory_state(bandwidths[-1] * 1e9, after))
+            pair_states.append(memory_state(bandwidths[-1] * 1e9, after, split_gb_s))
             print(f"  round {i + 1}, T={params.temperature}, seed {params.seed}: {bandwidths[-1]:.0f} GB/s before, "
                   f"{after / 1e9:.0f} after, plain {pair['plain']:.1f} ms/tok, spec {pair['spec']:.1f} ms/tok "
                   f"({pair['plain'] / pair['spec']:.2f}x)", flush=True)
@@ -134,7 +134,7 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
         seeds = range(1 if temperature == 0 else args.seeds)
         params_list = [SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=seed,
                                       ignore_eos=True) for seed in seeds]
-        base, fast, bandwidth_gbs = run_pair(plain, spec_gen, ids, params_list, args.repeats)
+        base, fast, bandwidth_gbs = run_pair(plain, spec_gen, ids, params_list, args.repeats, args.state_split_gbs)
         where = "" if args.device == "cpu" else f" on {args.device}, draft on {spec.draft_device or args.device}"
         label = target_quant.label if target_quant is not None else "bf16"
         row = {"scenario": name, "target": f"{target_name} ({label}){where}", "draft": spec.draft,
@@ -190,8 +190,13 @@ def main() -> None:
     parser.add_argument("--target-quant", default="method=rtn,group_size=32",
                         help="how the draft scenario quantizes its target (key=value,... as in bench_latency.py's "
                              "--quant); the draft is quantized as SpeculativeConfig says")
+    parser.add_argument("--state-split-gbs", type=float, default=FAST_STATE_GB_S,
+                        help="probe (GB/s) above which a pair counts as the fast memory state "
+                             f"(default {FAST_STATE_GB_S:g}, this VM's Zen 4 host; 60 on its Zen 5)")
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()
+    if args.state_split_gbs <= 0:
+        parser.error("--state-split-gbs must be positive")
     try:
         target_quant = parse_quant_spec(args.target_quant)
     except ValueError as exc:
