@@ -217,8 +217,26 @@ def _median_fraction(result: dict, bytes_per_token: int) -> float:
 
 STABLE_PROBES = 0.15  # a round's probes before and after within 15%: one memory state throughout
 # The line between this VM's two memory states (--state-split-gbs). The Zen 4 VM's slow state
-# probes at 29-36 GB/s and its fast one at 55-69; the Zen 5's at 37-52 and 66-85 (use 60 there).
+# probes at 29-37 GB/s and its fast one at 50-69; the Zen 5's at 37-52 and 66-85 (use 60 there).
 FAST_STATE_GB_S = 45.0
+
+
+def _positive_gb_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def add_state_split_argument(parser: argparse.ArgumentParser) -> None:
+    """``--state-split-gbs``: the probe above which a timed run counts as the fast memory state
+    (shared by bench_latency.py and bench_spec.py)."""
+    parser.add_argument("--state-split-gbs", type=_positive_gb_s, default=FAST_STATE_GB_S,
+                        help="probe (GB/s) above which a run counts as the fast memory state "
+                             f"(default {FAST_STATE_GB_S:g}, this VM's Zen 4 host; 60 on its Zen 5)")
 
 
 def memory_state(before: float, after: float, split_gb_s: float = FAST_STATE_GB_S) -> str | None:
@@ -348,15 +366,11 @@ def main() -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip fastdraft unquantized")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
-    parser.add_argument("--state-split-gbs", type=float, default=FAST_STATE_GB_S,
-                        help="probe (GB/s) above which a round counts as the fast memory state "
-                             f"(default {FAST_STATE_GB_S:g}, this VM's Zen 4 host; 60 on its Zen 5)")
+    add_state_split_argument(parser)
     parser.add_argument("--json", type=Path, default=Path("bench_results/latency.json"))
     args = parser.parse_args()
     if args.new_tokens < 2 or args.prompt_tokens < 32 or args.repeats < 1:
         parser.error("need --new-tokens >= 2, --prompt-tokens >= 32 and --repeats >= 1")
-    if args.state_split_gbs <= 0:
-        parser.error("--state-split-gbs must be positive")
     if args.prompt_tokens + args.new_tokens > 2048:
         parser.error("prompt + new tokens must fit the 2048-token context")
     # INT4 g128 with an INT6 head (as Q4_K_M keeps its output at Q6_K): +15.68% perplexity

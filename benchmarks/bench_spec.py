@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_latency import FAST_STATE_GB_S, STABLE_PROBES, measure_bandwidth, memory_state  # noqa: E402
+from bench_latency import (  # noqa: E402
+    FAST_STATE_GB_S, STABLE_PROBES, add_state_split_argument, measure_bandwidth, memory_state)
 
 from fastdraft.engine.generate import TextGenerator  # noqa: E402
 from fastdraft.engine.sampling_params import SamplingParams  # noqa: E402
@@ -190,13 +191,9 @@ def main() -> None:
     parser.add_argument("--target-quant", default="method=rtn,group_size=32",
                         help="how the draft scenario quantizes its target (key=value,... as in bench_latency.py's "
                              "--quant); the draft is quantized as SpeculativeConfig says")
-    parser.add_argument("--state-split-gbs", type=float, default=FAST_STATE_GB_S,
-                        help="probe (GB/s) above which a pair counts as the fast memory state "
-                             f"(default {FAST_STATE_GB_S:g}, this VM's Zen 4 host; 60 on its Zen 5)")
+    add_state_split_argument(parser)
     parser.add_argument("--json", type=Path, default=Path("bench_results/spec.json"))
     args = parser.parse_args()
-    if args.state_split_gbs <= 0:
-        parser.error("--state-split-gbs must be positive")
     try:
         target_quant = parse_quant_spec(args.target_quant)
     except ValueError as exc:
