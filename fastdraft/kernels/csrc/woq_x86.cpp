@@ -145,7 +145,14 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
   constexpr int64_t chunk_bytes = BITS == 6 ? 96 : 64;  // INT6: 64 nibble bytes + 32 of high bits
   const int64_t chunks_per_block = block / chunk_k;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i high_nibble = _mm512_set1_epi8(static_cast<char>(0xf0));
   const __m512i high_bits = _mm512_set1_epi8(0x30);
+  // INT4 with the high nibbles on their own chains (odd ones): they are fed in place, as
+  // 16 * hi, one AND instead of a shift and an AND, and their chains' sum is shifted back by 4
+  // once per block (exact: every product is a multiple of 16). Whole 1.5B g128 decode steps on
+  // the Zen 4, interleaved: 1.03x in the fast memory state (median of 6 rounds, 1.00-1.04),
+  // 0.99-1.0x in the slow one, where the stream, not the vector ops, sets the pace.
+  constexpr bool kHighInPlace = BITS == 4 && kChains % 2 == 0;
   const int32_t neg_zero = -static_cast<int32_t>(zero_const);  // an integer whenever !ASYM
   const int8_t* xq[ROWS];
   const float* xs[ROWS];
@@ -178,7 +185,8 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
           const int64_t k0 = b * block + (c + u) * chunk_k;
           if constexpr (BITS != 8) {
             __m512i lo = _mm512_and_si512(v, nibble);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            __m512i hi = kHighInPlace ? _mm512_and_si512(v, high_nibble)
+                                      : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             if constexpr (BITS == 6) {
               // Byte i of the 32 high-bit bytes holds bits 4-5 of lo and hi at byte i (its low
               // nibble) and at byte i + 32 (its high nibble): spread to 64 bytes, each byte's
@@ -207,7 +215,16 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
       }
       for (int r = 0; r < ROWS; ++r) {
         __m512i total = dot[r][0];
-        for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, dot[r][c]);
+        if constexpr (kHighInPlace) {
+          __m512i high = dot[r][1];
+          for (int c = 2; c < kChains; c += 2) {
+            total = _mm512_add_epi32(total, dot[r][c]);
+            high = _mm512_add_epi32(high, dot[r][c + 1]);
+          }
+          total = _mm512_add_epi32(total, _mm512_srai_epi32(high, 4));
+        } else {
+          for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, dot[r][c]);
+        }
         gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xs[r][b]), gacc[r]);
       }
     }
