@@ -38,17 +38,25 @@ using fastdraft::Activations;
 
 constexpr int kTile = 16;   // output rows per tile (one zmm of int32 lanes)
 constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight tile
-// Software prefetch ahead of the weight stream. The hardware prefetcher alone leaves ~5% of the
-// bandwidth unused on the Xeon, where 32 KB ahead into L2 is best; 2 KB ahead into L1 was as
-// good when the machine was quiet, but 4-10% slower when memory latency rose under a
-// neighbour's load (the 1.5B's shapes, interleaved A/B). On AMD Zen 4 (EPYC) calls of up to
-// kNoPrefetchMaxRows rows issue none: a cold 17920 x 1536 INT4 GEMV on 2 threads read 1.10x
-// faster (median of 20 interleaved rounds) without the 8 KB-ahead L1 prefetch used before,
-// and 1.15-1.2x when the VM's memory was in its fast state (~60 GB/s), where that prefetch
-// serialized compute and memory; at 2 rows 1.0-1.24x. From 3 rows, where each line takes
-// longer to consume, dropping the L2 prefetch cost 0.7-0.9x, so those calls keep it.
-constexpr int kPrefetchBytes = 32768;  // into L2
-constexpr int kNoPrefetchMaxRows = 2;
+// Software prefetch ahead of the weight stream, per call size and CPU (tile_rows_of):
+// * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on the
+//   Xeon: whole 1.5B g128 decode steps ran 0.74x without it (thirty-second session). 2 KB
+//   ahead into L1 instead was as good when the machine was quiet, but 4-10% slower when memory
+//   latency rose under a neighbour's load; 4 KB ahead into L1 alone, 0.91x of kL2L1.
+// * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to kFewRows rows on the Xeon, whose L1
+//   streamer does not run far enough ahead for one row's quick consumption: decode steps
+//   1.044x and 1.056x (12 interleaved rounds each; 2 KB or 8 KB ahead within 1%), 5-token
+//   verification passes 1.000x, so 3+ rows keep kL2.
+// * kNone on AMD Zen 4 (EPYC) for calls of up to kFewRows rows: a cold 17920 x 1536 INT4 GEMV
+//   on 2 threads read 1.10x faster (median of 20 interleaved rounds) without the 8 KB-ahead L1
+//   prefetch used before, and 1.15-1.2x when the VM's memory was in its fast state (~60 GB/s),
+//   where that prefetch serialized compute and memory; at 2 rows 1.0-1.24x. From 3 rows, where
+//   each line takes longer to consume, dropping the L2 prefetch cost 0.7-0.9x, so those calls
+//   keep it.
+enum class Prefetch { kNone, kL2, kL2L1 };
+constexpr int kL2PrefetchBytes = 32768;
+constexpr int kL1PrefetchBytes = 4096;
+constexpr int kFewRows = 2;
 
 // acc += u8 x s8 dot products (vpdpbusd), accumulated in place. With the intrinsic, gcc copied
 // accumulators to other registers and back around each vpdpbusd (up to two zmm moves per
@@ -136,7 +144,7 @@ constexpr int default_chains() {
 constexpr int kAmdOneChainMinRows = 5;
 
 // One weight tile (16 output rows) against ROWS activation rows, CHAINS accumulators per row.
-template <int BITS, int ROWS, bool ASYM, bool PREFETCH, int CHAINS, typename T>
+template <int BITS, int ROWS, bool ASYM, Prefetch PREFETCH, int CHAINS, typename T>
 void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float zero_const,
                  const Activations& a, int64_t m0, int64_t block, int64_t blocks_per_group,
                  T* out, int64_t ldo, __mmask16 out_mask) {
@@ -180,7 +188,10 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
           dot[r][c] = (!ASYM && c == 0) ? _mm512_set1_epi32(neg_zero * xsum[r][b]) : _mm512_setzero_si512();
       for (int64_t c = 0; c < chunks_per_block; c += kUnroll) {
         for (int u = 0; u < kUnroll; ++u) {
-          if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T1);
+          if constexpr (PREFETCH != Prefetch::kNone)
+            _mm_prefetch(reinterpret_cast<const char*>(w) + kL2PrefetchBytes, _MM_HINT_T1);
+          if constexpr (PREFETCH == Prefetch::kL2L1)
+            _mm_prefetch(reinterpret_cast<const char*>(w) + kL1PrefetchBytes, _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512(w);
           const int64_t k0 = b * block + (c + u) * chunk_k;
           if constexpr (BITS != 8) {
@@ -250,15 +261,16 @@ template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
   constexpr int kChains = default_chains<BITS, ROWS>();
-  if constexpr (ROWS <= kNoPrefetchMaxRows) {
+  if constexpr (ROWS <= kFewRows) {
     if (fastdraft::is_amd_cpu())
-      return tile_kernel<BITS, ROWS, ASYM, false, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+      return tile_kernel<BITS, ROWS, ASYM, Prefetch::kNone, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+    return tile_kernel<BITS, ROWS, ASYM, Prefetch::kL2L1, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
   }
   if constexpr (ROWS >= kAmdOneChainMinRows && kChains > 1) {
     if (fastdraft::is_amd_cpu())
-      return tile_kernel<BITS, ROWS, ASYM, true, 1>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+      return tile_kernel<BITS, ROWS, ASYM, Prefetch::kL2, 1>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
   }
-  tile_kernel<BITS, ROWS, ASYM, true, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
+  tile_kernel<BITS, ROWS, ASYM, Prefetch::kL2, kChains>(w, s, z, zc, a, m0, block, bpg, out, ldo, mask);
 }
 
 template <int BITS, bool ASYM, typename T>
