@@ -23,9 +23,9 @@ is computed by the same sequence of operations whatever the number of rows, so t
 row-invariant: verifying k drafted tokens reproduces one-token decoding bit for bit.
 
 On CPUs with AMX-BF16, calls with at least ``large_m`` rows (prefill; :data:`AMX_LARGE_M`)
-instead dequantize the weight (in C++) and run oneDNN's bf16 GEMM on the AMX tiles. Without AMX the VNNI kernel is the
-faster one at every M (measured on an AVX-512 EPYC: 1.5x oneDNN's bf16 GEMM at M = 1024), so
-it serves prefill too.
+instead dequantize the weight (in C++) and run oneDNN's bf16 GEMM on the AMX tiles. Without
+AMX the VNNI kernel is the faster one at every M (measured on an AVX-512 EPYC: 1.5x oneDNN's
+bf16 GEMM at M = 1024), so it serves prefill too.
 """
 
 from __future__ import annotations
