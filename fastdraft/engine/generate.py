@@ -19,6 +19,7 @@ from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from fastdraft.kernels.build import load_x86_extension
 from fastdraft.layers.sampler import sample
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel
@@ -150,6 +151,10 @@ class TextGenerator:
                  speculative: "SpeculativeConfig | None" = None, draft: LoadedModel | None = None) -> None:
         tune_malloc()  # decode steps reuse their large buffers instead of page-faulting them in
         self.model = loaded.model
+        if self.model.device.type == "cpu":
+            # Build (first use, about a minute) or load the CPU kernels now, so that a one-time
+            # compile is not counted in the first request's TTFT.
+            load_x86_extension()
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
         self.speculative = speculative
