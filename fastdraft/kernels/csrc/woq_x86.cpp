@@ -43,10 +43,10 @@ constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight ti
 //   Xeon: whole 1.5B g128 decode steps ran 0.74x without it (thirty-second session). 2 KB
 //   ahead into L1 instead was as good when the machine was quiet, but 4-10% slower when memory
 //   latency rose under a neighbour's load; 4 KB ahead into L1 alone, 0.91x of kL2L1.
-// * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to kFewRows rows on the Xeon, whose L1
-//   streamer does not run far enough ahead for one row's quick consumption: decode steps
-//   1.044x and 1.056x (12 interleaved rounds each; 2 KB or 8 KB ahead within 1%), 5-token
-//   verification passes 1.000x, so 3+ rows keep kL2.
+// * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to kFewRows rows on Intel, which
+//   consume each line fastest. On the Xeon: decode steps 1.044x and 1.056x (12 interleaved
+//   rounds each; 2 KB or 8 KB ahead within 1%), 5-token verification passes 1.000x, so 3+
+//   rows keep kL2.
 // * kNone on AMD Zen 4 (EPYC) for calls of up to kFewRows rows: a cold 17920 x 1536 INT4 GEMV
 //   on 2 threads read 1.10x faster (median of 20 interleaved rounds) without the 8 KB-ahead L1
 //   prefetch used before, and 1.15-1.2x when the VM's memory was in its fast state (~60 GB/s),
