@@ -1,6 +1,6 @@
 """Weight-only matmul kernels behind one small interface, each with a reference twin.
 
-``select_kernel`` returns the highest-priority kernel that supports a weight on this machine;
+``select_kernel`` returns the highest-priority kernel that supports a weight on the running system;
 the reference kernel supports everything, so selection never fails.
 """
 

@@ -40,7 +40,7 @@ class WeightOnlyKernel(ABC):
 
     @classmethod
     def is_available(cls) -> bool:
-        """Whether this machine can run the kernel at all (instruction set, build, device)."""
+        """Whether the kernel can run here at all (instruction set, build, device)."""
         return True
 
     @classmethod

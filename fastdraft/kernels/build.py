@@ -55,9 +55,9 @@ def missing_cpu_flags() -> list[str]:
 def source_key(csrc: Path = CSRC) -> str:
     """Identity of a build from ``csrc``: its sources and headers, the compiler flags and the
     torch/Python versions, so a change to any of them rebuilds instead of loading a stale binary.
-    The folder's path is part of it too: torch's build files record the source paths, so a
-    checkout elsewhere (a fresh clone) recompiled silently in the first one's build folder;
-    now it gets its own, and the first-use notice says why the first request is slow."""
+    The folder's path is part of it too: torch's build files record the source paths, so each
+    checkout gets a build folder of its own instead of silently recompiling another's, and the
+    first-use notice says why the first request is slow."""
     key = hashlib.sha256(str(csrc.resolve()).encode())
     for name in SOURCE_NAMES + HEADER_NAMES:
         key.update((csrc / name).read_bytes())

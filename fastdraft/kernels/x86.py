@@ -24,8 +24,8 @@ row-invariant: verifying k drafted tokens reproduces one-token decoding bit for 
 
 On CPUs with AMX-BF16, calls with at least ``large_m`` rows (prefill; :data:`AMX_LARGE_M`)
 instead dequantize the weight (in C++) and run oneDNN's bf16 GEMM on the AMX tiles. Without
-AMX the VNNI kernel is the faster one at every M (measured on an AVX-512 EPYC: 1.5x oneDNN's
-bf16 GEMM at M = 1024), so it serves prefill too.
+AMX the VNNI kernel is the faster one at every M (on an AVX-512 EPYC, 1.5x oneDNN's bf16 GEMM
+at M = 1024), so it serves prefill too.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ from fastdraft.quant.format import QuantizedWeight, sym_zero_point, unpack_int4,
 
 TILE = 16
 K_ALIGN = 128
-# Rows from which dequantize + AMX GEMM takes over, on AMX machines. Dequantizing costs a pass
-# over the whole weight per call, so the VNNI kernel wins at small M: on a 2-core Sapphire
-# Rapids-class Xeon (thirty-second session), 1.5B g128 shapes summed over a layer, VNNI was
-# 1.9x faster at 64 rows and 1.2x at 128; AMX 1.24x faster at 192 and 1.6-3.2x at 1024.
+# Rows from which dequantize + AMX GEMM takes over, on AMX CPUs. Dequantizing costs a pass over
+# the whole weight per call, so VNNI wins at small M: on Sapphire Rapids, VNNI 1.2x faster at
+# 128 rows, AMX 1.24x faster at 192.
 AMX_LARGE_M = 160
 
 
@@ -182,7 +181,7 @@ class X86WoqKernel(WeightOnlyKernel):
                  large_m: int | None = -1) -> None:
         self.ext = load_x86_extension()
         if self.ext is None:
-            raise ValueError("the x86 kernels are not available on this machine")
+            raise ValueError("the x86 kernels are not available on this system")
         self.weight = repack(qw)
         self.dtype = dtype
         # -1: decide from the CPU; None: VNNI at every M.

@@ -21,18 +21,13 @@ namespace {
 constexpr int64_t kKeysPerSplit = 256;  // fixed (not per thread count): results are deterministic
 // Software prefetch this many keys ahead in q K^T and P V. A head's cached keys are one
 // contiguous run, but the hardware prefetchers stop at every 4 KiB boundary, so without it
-// each 16 keys (D=128) start with a DRAM round trip. On the Xeon, into L1: one layer over 1030
-// cold keys, 1.5B 34.0 -> 22.4 us, 0.5B 17.2 -> 13.0 us (3-4% slower when the keys are already
-// in cache); whole decode steps 1.03-1.04x. On AMD Zen 4, into L2: there L1 prefetches stalled
-// on the few L1 miss buffers (the prefetch loop was the hottest spot in a profile). One layer
-// over 1025 cold keys, interleaved, 2 threads: 1.5B 88-95 -> 61-65 us, 0.5B 47-58 -> 36-42 us
-// (32 keys ahead beat 16 and 64; adding an L1 prefetch 16 keys ahead lost 5-10%). Whole INT4
-// decode steps at 1024 keys, two interleaved runs: 1.5B 1.057x/1.063x, 0.5B 1.015x/1.014x;
-// 5-token verification 0.995x/1.026x (1.5B), 1.03x/1.011x (0.5B).
+// each 16 keys (D=128) start with a DRAM round trip. Into L1 on Intel; into L2 on AMD Zen 4,
+// where L1 prefetches stall on the few L1 miss buffers. One layer over ~1K cold keys runs
+// 1.3-1.5x faster with it; 32 keys ahead beats 16 and 64.
 constexpr int64_t kKeysAhead = 32;
 
 // Prefetch `count` bf16 values from p into L1 (L2_PREFETCH: into L2). The choice is a template
-// argument down the attention's call chain: a run-time branch here made the attention 10-20%
+// argument down the attention's call chain: a run-time branch here makes the attention 10-20%
 // slower.
 template <bool L2_PREFETCH>
 inline void prefetch_row(const at::BFloat16* p, int64_t count) {
@@ -267,7 +262,7 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
       if (is_bf16) {
         e = round_bf16(e);  // P V multiplies bf16 probabilities; normalise by the same values
         // e is already bf16-valued: store its top halves (store16 would round a second time,
-        // measured about 1.1x slower for a 5-token verification).
+        // ~1.1x slower for a 5-token verification).
         _mm256_mask_storeu_epi16(probs_bf16.data() + r * 2 * num_pairs + l, mk,
                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(e), 16)));
       } else {

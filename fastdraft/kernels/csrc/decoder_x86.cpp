@@ -3,9 +3,9 @@
 //
 // At batch 1 the per-layer work is a handful of weight-bound matmuls plus small elementwise
 // ops; driving ~15 ops per layer from Python costs more than the elementwise work itself
-// (measured here: ~5 ms of a ~25 ms 1.5B INT4 step). This file strings together the same
-// kernels the Python path calls (rms_norm, woq_linear, rotary, decode_attention,
-// silu_and_mul), in the same order and dtypes, so both paths give bit-identical results.
+// (~5 ms of a ~25 ms 1.5B INT4 step). This file strings together the same kernels the Python
+// path calls (rms_norm, woq_linear, rotary, decode_attention, silu_and_mul), in the same order
+// and dtypes, so both paths give bit-identical results.
 // The twin is the PyTorch module path in fastdraft/models/llama.py.
 //
 // Two drivers: layer_forward calls the public ops one by one (each its own fork/join), and
@@ -40,7 +40,7 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 namespace {
 
 // One projection: a dense weight (dense_bf16_linear for up to 8 bf16 rows, else oneDNN padded
-// to min_rows, like the Python path), a repacked INT4/INT8 weight (woq_linear), or
+// to min_rows, like the Python path), a repacked INT4/INT6/INT8 weight (woq_linear), or
 // projections of different formats run one by one with their outputs concatenated (e.g. an
 // INT8 v_proj beside INT4 q/k). The bias is in the activation dtype.
 struct Linear {
@@ -139,10 +139,10 @@ torch::Tensor layer_forward(const DecoderLayer& layer, const torch::Tensor& h, c
 
 // Items [0, n) shared by the threads of a region: each thread starts with a contiguous share
 // and takes chunks from its front; a thread that runs out takes chunks from the back of
-// another's share. The two threads of this machine often run at different speeds for a while
-// (a neighbour's load): with fixed halves the faster one waited at every barrier, about 3 ms
-// of a 21 ms 1.5B step (measured), so work moves to whoever is free. Each thread's own
-// chunks stay in order, which keeps its weight reads one sequential stream.
+// another's share. Threads often run at different speeds for a while (a neighbour's load on a
+// shared host): with fixed shares the faster one would wait at every barrier (about 3 ms of a
+// 21 ms 1.5B step), so work moves to whoever is free. Each thread's own chunks stay in order,
+// which keeps its weight reads one sequential stream.
 class WorkSplit {
  public:
   // Serial. shares[t] .. shares[t + 1] is thread t's initial share; chunk: items per claim.
@@ -342,18 +342,14 @@ std::pair<int64_t, int64_t> unit_share(int tid, int num_threads, int64_t n, int6
 // barrier. Thread 0 also binds each projection object to its next layer while no thread uses
 // it. The arithmetic is the ops' own, in the same order: results are bit-identical to
 // layer_forward.
-// Against the earlier design (thread 0 ran the elementwise steps alone, allocating each
-// result, while the others prefetched 256 KB of their next weights), per-phase timers of a
-// 1.5B INT4 step: elementwise time 1.13 -> 0.80 ms at 1 token, 3.2 -> 2.5 ms at 5, part of it
-// given back in the projections, which lose that prefetch head start. Whole steps, 30
-// interleaved rounds in a noisy hour: 1.5B 1.008x (1 token) / 1.032x (5 tokens), 0.5B
-// 1.032x / 0.996x. Prefetching at each step's end: 64 KB per thread; 256 KB at its start cost
-// more on the critical path than it saved (issuing 4096 prefetches stalls the thread).
+// At the end of each elementwise step every thread prefetches this much of its next weights:
+// 256 KB costs more on the critical path than it saves (issuing 4096 prefetches stalls the
+// thread).
 constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
 
 // Each layer's part of one sequence's KV cache as the kernels take it: [kv_heads, max_seq_len,
 // head_dim] (k, v) and [1, ...] (k4, v4). Made once per cache by a DecoderStep: with the weights
-// streaming through the caches, the 4 views per layer cost about 0.1 ms a step when made afresh.
+// streaming through the caches, the 4 views per layer cost about 0.1 ms a step if made afresh.
 struct LayerCaches {
   std::vector<torch::Tensor> k, v, k4, v4;
   int64_t max_seq_len = 0;
@@ -583,7 +579,7 @@ torch::Tensor run_decoder(const std::vector<std::shared_ptr<DecoderLayer>>& laye
 }
 
 // Rows ids [T] of the table [vocab, hidden]: plain copies, as an embedding lookup is (index_select's
-// dispatch alone took about 40 us a step here).
+// dispatch alone costs about 40 us a step).
 torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids) {
   const auto ids_c = ids.contiguous();
   const int64_t num_ids = ids_c.size(0), vocab = table.size(0);
@@ -599,7 +595,7 @@ torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& id
 }
 
 // x as fp32: bf16 widened exactly (its bits are fp32's upper half), in one pass with no
-// dispatch (Tensor::to took about 90 us for 152k logits here); fp32 as it is.
+// dispatch (Tensor::to takes about 90 us for 152k logits); fp32 as it is.
 torch::Tensor to_float(const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat) return x;
   if (x.scalar_type() != torch::kBFloat16 || !x.is_contiguous()) return x.to(torch::kFloat);
@@ -617,7 +613,7 @@ torch::Tensor to_float(const torch::Tensor& x) {
 // A decode or verification step from token ids to fp32 logits, for one sequence in one KV
 // cache slot. The embedding rows, the rotary rows and the logits' conversion to fp32 are
 // taken here rather than by separate Python calls: with the weights streaming through the
-// caches each of those cost 40-110 us a step, about 2% of a 1.5B INT4 step in all.
+// caches each of those costs 40-110 us a step, about 2% of a 1.5B INT4 step in all.
 struct DecoderStep {
   std::vector<std::shared_ptr<DecoderLayer>> layers;
   bool is_weight_only;

@@ -39,30 +39,24 @@ using fastdraft::Activations;
 constexpr int kTile = 16;   // output rows per tile (one zmm of int32 lanes)
 constexpr int kMaxRows = 8; // activation rows sharing one pass over a weight tile
 // Software prefetch ahead of the weight stream, per call size and CPU (tile_rows_of):
-// * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on the
-//   Xeon: whole 1.5B g128 decode steps ran 0.74x without it (thirty-second session). 2 KB
-//   ahead into L1 instead was as good when the machine was quiet, but 4-10% slower when memory
-//   latency rose under a neighbour's load; 4 KB ahead into L1 alone, 0.91x of kL2L1.
+// * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on Intel
+//   (whole decode steps 0.74x without it on Sapphire Rapids); prefetching into L1 alone falls
+//   behind when memory latency rises under load.
 // * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to kFewRows rows on Intel, which
-//   consume each line fastest. On the Xeon: decode steps 1.044x and 1.056x (12 interleaved
-//   rounds each; 2 KB or 8 KB ahead within 1%), 5-token verification passes 1.000x, so 3+
-//   rows keep kL2.
-// * kNone on AMD Zen 4 (EPYC) for calls of up to kFewRows rows: a cold 17920 x 1536 INT4 GEMV
-//   on 2 threads read 1.10x faster (median of 20 interleaved rounds) without the 8 KB-ahead L1
-//   prefetch used before, and 1.15-1.2x when the VM's memory was in its fast state (~60 GB/s),
-//   where that prefetch serialized compute and memory; at 2 rows 1.0-1.24x. From 3 rows, where
-//   each line takes longer to consume, dropping the L2 prefetch cost 0.7-0.9x, so those calls
-//   keep it.
+//   consume each line fastest: whole decode steps ~1.05x faster on Sapphire Rapids; with 3+
+//   rows it gains nothing, so those keep kL2.
+// * kNone on AMD Zen 4 for calls of up to kFewRows rows: an L1 prefetch serializes compute and
+//   memory there, and a cold INT4 GEMV reads 1.1-1.2x faster with no software prefetch. From 3
+//   rows, where each line takes longer to consume, the L2 prefetch pays off (0.7-0.9x without).
 enum class Prefetch { kNone, kL2, kL2L1 };
 constexpr int kL2PrefetchBytes = 32768;
 constexpr int kL1PrefetchBytes = 4096;
 constexpr int kFewRows = 2;
 
-// acc += u8 x s8 dot products (vpdpbusd), accumulated in place. With the intrinsic, gcc copied
-// accumulators to other registers and back around each vpdpbusd (up to two zmm moves per
-// vpdpbusd); the asm ties input and output to one register. Cache-hot, 2 threads: INT8 at
-// 3-5 rows 1.1-1.6x faster with it (5-row verification of an LM head: 47 -> 76 GB/s); INT4 at
-// 3+ rows was as fast or slower (0.93-1.02x), so the intrinsic stays there.
+// acc += u8 x s8 dot products (vpdpbusd), accumulated in place. The asm ties input and output
+// to one register; with the intrinsic gcc copies accumulators to other registers and back
+// around each vpdpbusd (INT8 at 3-5 rows 1.1-1.6x faster with the asm). INT4 at 3+ rows gains
+// nothing from the asm, so it keeps the intrinsic.
 template <int BITS, int ROWS>
 inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   if constexpr (BITS == 8 || ROWS <= 2)
@@ -129,18 +123,17 @@ constexpr int kUnroll = 2;  // chunks per step of tile_kernel's inner loop
 
 // Independent int32 accumulator chains per row hide vpdpbusd latency when rows are few;
 // with many rows the rows themselves are independent and registers are scarce. Two chains
-// up to 6 rows (5-row verification: 1.2x faster than one chain in cache, measured); at 7-8
-// rows the extra accumulators spill. Integer sums are exact, so the chain count never changes
+// up to 6 rows (5-row verification 1.2x faster than with one, in cache); at 7-8 rows the
+// extra accumulators spill. Integer sums are exact, so the chain count never changes
 // results.
 template <int BITS, int ROWS>
 constexpr int default_chains() {
   constexpr int steps = (BITS == 8 ? 1 : 2) * kUnroll;  // vpdpbusd per row per unrolled step
   return ROWS <= 2 ? steps : (ROWS <= 6 ? 2 : 1);
 }
-// On AMD Zen 4, from 5 rows five independent rows cover vpdpbusd's latency, and merging a
-// second chain costs a vpaddd per row and block: whole 1.5B verification passes (1024 cached
-// tokens, 11 interleaved rounds) with one chain at 5 rows 1.031x and 1.046x (g32), 1.018x
-// (g128); at 3-4 rows 0.96-1.02x, so those keep two.
+// On AMD Zen 4, from 5 rows the independent rows alone cover vpdpbusd's latency, and merging
+// a second chain costs a vpaddd per row and block: 5-row verification passes 1.02-1.05x faster
+// with one chain. 3-4 rows gain nothing from it and keep two.
 constexpr int kAmdOneChainMinRows = 5;
 
 // One weight tile (16 output rows) against ROWS activation rows, CHAINS accumulators per row.
@@ -157,9 +150,8 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
   const __m512i high_bits = _mm512_set1_epi8(0x30);
   // INT4 with the high nibbles on their own chains (odd ones): they are fed in place, as
   // 16 * hi, one AND instead of a shift and an AND, and their chains' sum is shifted back by 4
-  // once per block (exact: every product is a multiple of 16). Whole 1.5B g128 decode steps on
-  // the Zen 4, interleaved: 1.03x in the fast memory state (median of 6 rounds, 1.00-1.04),
-  // 0.99-1.0x in the slow one, where the stream, not the vector ops, sets the pace.
+  // once per block (exact: every product is a multiple of 16). Decode steps ~1.03x faster on
+  // Zen 4 when the vector ops, not the memory stream, set the pace.
   constexpr bool kHighInPlace = BITS == 4 && kChains % 2 == 0;
   const int32_t neg_zero = -static_cast<int32_t>(zero_const);  // an integer whenever !ASYM
   const int8_t* xq[ROWS];
@@ -255,8 +247,7 @@ void tile_kernel(const uint8_t* w, const at::Half* scales, Zeros zeros, float ze
 
 // tile_kernel with or without software prefetch, and with its chains, as chosen for ROWS
 // rows and the CPU. The choices are template arguments: a run-time branch in the inner loop
-// made gcc copy accumulators between registers on every chunk. Together with dpbusd's asm:
-// cache-hot INT4 GEMVs 1.28-1.43x faster at 1 row, 1.04-1.21x at 2 (2 threads, Zen 4).
+// makes gcc copy accumulators between registers on every chunk.
 template <int BITS, int ROWS, bool ASYM, typename T>
 void tile_rows_of(const uint8_t* w, const at::Half* s, Zeros z, float zc, const Activations& a, int64_t m0,
                   int64_t block, int64_t bpg, T* out, int64_t ldo, __mmask16 mask) {
@@ -289,7 +280,7 @@ void tile_rows(int rows, const uint8_t* w, const at::Half* s, Zeros z, float zc,
 }
 
 // Tiles [t0, t1) of out [M, ldo] = x W^T (N = n output columns). Never inlined: inlined into
-// its caller, the 1-row INT4 loop compiled differently and whole 1.5B decode steps ran 0.945x.
+// its caller, the 1-row INT4 loop compiles worse (whole decode steps ~0.95x).
 template <int BITS, bool ASYM, typename T>
 __attribute__((noinline)) void gemm_tiles(const Activations& a, const uint8_t* w, const at::Half* s, Zeros z, float zc,
                                           int64_t n, T* out, int64_t ldo, int64_t t0, int64_t t1) {
@@ -311,17 +302,15 @@ __attribute__((noinline)) void gemm_tiles(const Activations& a, const uint8_t* w
 namespace {
 
 // ---- Dense bf16 weights, few rows: out = x W^T with AVX512-BF16 dot products -----------------
-// oneDNN's bf16 GEMM reads a decode step's weights at 13-20 GB/s on this 2-core Zen 4 (no AMX),
-// whatever M up to 8; this kernel 27-29 GB/s at M = 1 (1.5-1.95x on the 1.5B's shapes, slow
-// memory state). W stays in its [N, K] row-major layout (tied embeddings share it): R output
-// rows at a time, each a stream of 64-byte lines; every line feeds one vdpbf16ps per x row.
+// Without AMX, oneDNN's bf16 GEMM reads decode weights well below memory bandwidth at M <= 8;
+// this kernel reads them 1.5-1.95x faster at M = 1 (Zen 4, a 1.5B model's shapes). W stays in
+// its [N, K] row-major layout (tied embeddings share it): R output rows at a time, each a
+// stream of 64-byte lines; every line feeds one vdpbf16ps per x row.
 // Output (m, n) is always the same 16-lane fp32 accumulation over k in 32-wide steps, reduced
 // and rounded once to bf16 (+ bias in fp32 before the rounding), whatever M: row-invariant, so
 // a verification pass reproduces one-token decoding bit for bit without padding to min_rows.
-// Each step also prefetches, into L2, the same line of the next block's rows: without it the
-// R short row streams left the hardware prefetcher behind. Whole bf16 steps at 1024 cached
-// tokens, interleaved: 0.5B 1.34x (1 token, prefetching at M <= 2 only), then prefetching at
-// every M 1.64x at 5 tokens and 1.00x at 1; 1.5B 1.15x (1 token) and 1.35x (5 tokens).
+// Each step also prefetches, into L2, the same line of the next block's rows: the R short row
+// streams leave the hardware prefetcher behind (whole bf16 decode steps up to 1.6x faster).
 // Plain PyTorch twin: fastdraft/kernels/fused.py::reference_dense_linear.
 constexpr int kDenseMaxRows = 8;
 

@@ -24,7 +24,7 @@ struct Activations {
   }
 };
 
-// One repacked INT4/INT8 weight (layout: fastdraft/kernels/x86.py::repack).
+// One repacked INT4/INT6/INT8 weight (layout: fastdraft/kernels/x86.py::repack).
 struct WoqWeight {
   torch::Tensor packed, scales, zeros;  // zeros undefined or empty: constant zero point
   int64_t bits = 0, out_features = 0, k_pad = 0, block = 0, group = 0;
@@ -63,9 +63,7 @@ void quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, 
 void size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a);
 void quantize_activation_columns(const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
 // A weight and the output columns it writes, as raw pointers resolved once (woq_tiles_args):
-// resolving them from the tensors on every claimed chunk cost ~2.5% of a 1.5B decode step
-// (profile). Whole INT4 decode steps, interleaved: 1.5B 1.031x, 0.5B 1.050x (5 tokens:
-// 1.012x, 1.013x).
+// resolving them from the tensors on every claimed chunk costs ~2.5% of a 1.5B decode step.
 struct WoqTilesArgs {
   const uint8_t* packed = nullptr;
   const at::Half* scales = nullptr;
