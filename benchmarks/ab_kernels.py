@@ -5,12 +5,12 @@ Each build is compiled from a folder holding the extension's sources (a copy of
 build, each with its own KV cache holding a ``--context``-token prefix; the builds then take
 turns for ``--rounds`` rounds, each timing the median of ``--steps`` forward passes of
 ``--tokens`` tokens. The figure is the median over rounds of the per-round speed ratio, which
-cancels the drift of this VM's memory bandwidth.
+cancels the drift of memory bandwidth that shared cloud VMs show.
 
 Every model must run the build it was loaded with. The fused decoder is built at a model's
 first decode step, so each model makes that step while the loader still points at its own
-build, and the script checks which build each decoder holds: an earlier harness that
-skipped this timed the second build against itself.
+build, and the script checks which build each decoder holds: without that check a mix-up
+would silently time one build against itself.
 
     python benchmarks/ab_kernels.py /tmp/a fastdraft/kernels/csrc --tokens 1,5
 """
@@ -100,7 +100,7 @@ def main() -> None:
         ratio = statistics.median(x / y for x, y in zip(a, b))
         print(f"  {n} token(s)/pass: A {statistics.median(a) * 1e3:.2f} ms, B {statistics.median(b) * 1e3:.2f} ms, "
               f"B is {ratio:.3f}x A's speed (median of per-round ratios)")
-        # A's time tells the VM's memory state of each round (a change may help in one only).
+        # A's time shows each round's memory-bandwidth state (a change may help in one only).
         print("    by round (A ms: B's ratio): " + ", ".join(f"{x * 1e3:.1f}: {x / y:.3f}" for x, y in zip(a, b)))
 
 

@@ -43,7 +43,7 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
 
     Two read kernels (fp32 ``sum`` and uint8 ``amax``), each over plain memory and over memory
     on transparent huge pages (where fastdraft keeps its INT4 weights), each the median of
-    ``repeats`` passes; the fastest is the machine's figure, so fractions of it are conservative."""
+    ``repeats`` passes; the fastest is reported, so fractions of it are conservative."""
     plain = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)  # ones(): pages really allocated
     best = 0.0
     for x in (plain, huge_page_copy(plain)):
@@ -93,8 +93,8 @@ def one_run(stream: TokenStream, prompt_ids: list[int], new_tokens: int) -> dict
 
 def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: argparse.Namespace) -> dict:
     """``args.repeats`` rounds; each round runs every system once, between two measurements of
-    the memory bandwidth, so each system is compared with the bandwidth of its own moment (this
-    VM's bandwidth swings by 2x within minutes). Medians over rounds."""
+    the memory bandwidth, so each system is compared with the bandwidth of its own moment (a
+    shared VM's bandwidth can swing by 2x within minutes). Medians over rounds."""
     for system in systems.values():  # warm-up: first-call allocations, kernel builds, fusion
         for _ in system.stream(prompt_ids[:32], 4):
             pass
@@ -103,8 +103,8 @@ def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: arg
         for name, system in systems.items():
             bandwidth = measure_bandwidth(gib=0.5, repeats=5)
             run = one_run(system.stream, prompt_ids, args.new_tokens)
-            # A second probe right after: the state switches machine-wide every ~10 s, so a
-            # round whose two probes differ may have run in either state (or both).
+            # A second probe right after: the memory state can switch every ~10 s, so a round
+            # whose two probes differ may have run in either state (or both).
             run.update(bandwidth=bandwidth, bandwidth_after=measure_bandwidth(gib=0.5, repeats=5))
             runs[name].append(run)
             print(f"  {name}: {run['token_latency_s'] * 1e3:.1f} ms/token, probes {bandwidth / 1e9:.1f} "
@@ -216,8 +216,8 @@ def _median_fraction(result: dict, bytes_per_token: int) -> float:
 
 
 STABLE_PROBES = 0.15  # a round's probes before and after within 15%: one memory state throughout
-# The line between this VM's two memory states (--state-split-gbs). The Zen 4 VM's slow state
-# probes at 29-37 GB/s and its fast one at 50-69; the Zen 5's at 37-52 and 66-85 (use 60 there).
+# Default line between a VM's two memory states (--state-split-gbs): on the AMD EPYC Zen 4 VMs
+# the slow state probes at 29-37 GB/s and the fast one at 50-69; on Zen 5 at 37-52 and 66-85.
 FAST_STATE_GB_S = 45.0
 
 
@@ -236,11 +236,12 @@ def add_state_split_argument(parser: argparse.ArgumentParser) -> None:
     (shared by bench_latency.py and bench_spec.py)."""
     parser.add_argument("--state-split-gbs", type=_positive_gb_s, default=FAST_STATE_GB_S,
                         help="probe (GB/s) above which a run counts as the fast memory state "
-                             f"(default {FAST_STATE_GB_S:g}, this VM's Zen 4 host; 60 on its Zen 5)")
+                             f"(default {FAST_STATE_GB_S:g}, which splits the two memory states of the "
+                             "AMD EPYC Zen 4 VMs; use 60 on Zen 5)")
 
 
 def memory_state(before: float, after: float, split_gb_s: float = FAST_STATE_GB_S) -> str | None:
-    """"slow" or "fast": the VM's memory state through a timed run, from the probes (bytes/s)
+    """"slow" or "fast": the memory state through a timed run, from the probes (bytes/s)
     taken just before and just after it, split at ``split_gb_s``; ``None`` when they disagree
     (a switch in between)."""
     if abs(after / before - 1) > STABLE_PROBES:

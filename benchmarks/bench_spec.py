@@ -68,12 +68,12 @@ def one_run(generator: TextGenerator, ids: list[int], params: SamplingParams) ->
 def run_pair(plain: TextGenerator, spec: TextGenerator, ids: list[int], params_list: list[SamplingParams],
              repeats: int, split_gb_s: float = FAST_STATE_GB_S) -> tuple[dict, dict, float]:
     """Plain and speculative runs alternated, ``repeats`` rounds over every ``params`` (one per
-    seed): this machine's bandwidth drifts within minutes, so back-to-back blocks would compare
-    different machines. A round's time per token pools its seeds (each seed is a different
+    seed): a shared VM's memory bandwidth can drift within minutes, so back-to-back blocks would
+    compare different machines. A round's time per token pools its seeds (each seed is a different
     trajectory with its own acceptance); the median round is reported.
 
     Each plain/speculative pair is printed with the memory bandwidth measured just before it:
-    on this VM's fast memory state a 1-token step speeds up much more than a multi-token
+    in a VM's fast memory state a 1-token step speeds up much more than a multi-token
     verification (which is then bound by arithmetic), so the speedup depends on the state.
     The speculative summary also holds every pair's speedup (``pair_speedups``) and, from a
     second probe after each pair, its memory state (``pair_states``: "slow", "fast" from
@@ -212,8 +212,8 @@ def main() -> None:
     print(f"\n{TABLE_HEADER}")
     for row in rows:
         print_row(row)
-    # On this VM a 1-token step gains much more from the fast memory state than a verification
-    # pass does, so the speedup is reported per state too.
+    # A 1-token step gains much more from the fast memory state than a verification pass does,
+    # so the speedup is reported per state too.
     print(f"\nstate-stable pairs (probes before and after within {100 * STABLE_PROBES:.0f}%), "
           "median speedup by memory state:")
     for row in rows:

@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastdraft pull`` and ``fastdraft generate``."""
+"""Command-line interface: ``fastdraft pull``, ``models``, ``generate``, ``quantize`` and ``eval``."""
 
 from __future__ import annotations
 

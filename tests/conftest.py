@@ -1,4 +1,4 @@
-"""Session fixtures: tiny random HF model folders built on the fly, and the real pulled model."""
+"""Session-scoped fixtures: tiny random HF model folders built on the fly, and the real pulled model."""
 
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, [..., vocab_size] -> [...] int64: ``argmax``,
     the first index on ties and at a NaN, as ``torch.argmax`` gives.
 
-    On the CPU, ``torch.argmax`` over a 152k-token fp32 row takes 130-260 us (measured here),
-    about 1% of a 1.5B decode step. The C++ ``argmax_rows`` (or numpy's argmax without the
+    On the CPU, ``torch.argmax`` over a 152k-token fp32 row takes 130-260 us, about 1% of a
+    1.5B decode step. The C++ ``argmax_rows`` (or numpy's argmax without the
     extension) takes about 15 us, and in a decode loop, where the weight stream has evicted
     the interpreter's working set, each Python-level call costs 10-30 us: hence one call."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
@@ -57,7 +57,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     """Draw one token per row of ``probs`` [..., vocab_size] -> ids [...].
 
     Inverse-CDF sampling with one uniform per row: exact, and much cheaper than
-    ``torch.multinomial`` over a 152k vocabulary (2.3 ms per row here). Sums are float64 so
+    ``torch.multinomial`` over a 152k vocabulary (2.3 ms per row on the CPU). Sums are float64 so
     rounding cannot move mass between tokens, and a zero-probability token is never drawn: its
     CDF entry equals its predecessor's, which the search finds first.
 

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server (to come)."""
+"""The place for fastdraft's OpenAI-compatible HTTP server; the package holds no code yet."""

@@ -1,1 +1,2 @@
-"""Speculative decoding (to come: proposers, verifier, rejection sampler)."""
+"""Speculative decoding: configuration, proposers (draft model, prompt lookup), a frequent-token
+draft vocabulary, adaptive draft length, and verification by greedy matching or rejection sampling."""

@@ -45,11 +45,9 @@ def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
     rows it multiplies (a lot for some INT4 kernels), so the costs are measured rather than
     derived from byte counts. The passes are timed in interleaved rounds, and each cost is
     the median over rounds of the pass's time divided by the plain step's time in the same
-    round, as benchmarks/ab_kernels.py compares builds. This machine's memory bandwidth
-    switches between two states within seconds, and the fastest time of each pass (as before)
-    paired a pass that never met the fast state with a plain step that did. Four measurements
-    each way on the 0.5B/1.5B pair (1024 tokens of context) spread about alike: 5-token
-    verification 1.13-1.29 plain steps from fastest times, 1.14-1.23 from median ratios.
+    round, as benchmarks/ab_kernels.py compares builds: on a shared VM memory bandwidth can
+    switch between two states within seconds, and the fastest time of each pass on its own
+    could pair a pass that never met the fast state with a plain step that did.
 
     The first request pays for the timing in its TTFT, so rounds stop after ``min_repeats``
     once the timed passes have taken ``time_budget_s``: a round of the bf16 1.5B with its INT4
@@ -116,10 +114,8 @@ def step_costs_for(target: LlamaForCausalLM, proposer, k_max: int, prompt_len: i
 
 # A verification pass reads the target's weights once for all its tokens; each token past the
 # first adds this share of a plain step (attention over the context, more rows per weight line).
-# Measured on the 0.5B/1.5B INT4 pair at 1024 cached tokens: 0.04-0.05 per token in the slow
-# memory state, 0.10-0.17 in the fast one. At T=0.7 (mean of 14 seeds, 1024-token prompt, 128
-# tokens), 0.08 sped decoding up as much as measured costs did (1.51x against 1.50x); 0.12
-# with a per-layer cost for the draft's narrow layers, 1.47x.
+# 0.08 lies within the 0.04-0.17 measured on the 0.5B/1.5B INT4 pair at 1024 cached tokens, and
+# at T=0.7 speeds decoding up as much as measured costs do.
 VERIFY_COST_PER_TOKEN = 0.08
 
 
@@ -132,10 +128,10 @@ def modeled_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
     """Step costs from the bytes each pass reads, with no timing: for seeded sampled requests.
 
     The draft plan decides how many random draws each step takes, so a plan that follows
-    measured times gives one seed different tokens from one process to the next (three runs of
-    the 0.5B/1.5B pair at T=0.7, seed 3, diverged at their second token). Decoding reads every
-    weight and cached key/value once per pass: a draft step costs its bytes over the target's,
-    and a verification pass one plain step plus ``VERIFY_COST_PER_TOKEN`` per drafted token."""
+    measured times can give one seed different tokens from one process to the next. Decoding
+    reads every weight and cached key/value once per pass: a draft step costs its bytes over
+    the target's, and a verification pass one plain step plus ``VERIFY_COST_PER_TOKEN`` per
+    drafted token."""
     draft_model = getattr(proposer, "model", None)
     draft = NO_MODEL_DRAFT_COST
     if draft_model is not None:
@@ -194,10 +190,9 @@ class AdaptiveDraftLength:
     (``a = share * a_conf + (1 - share) * a_unsure``) for ``k * draft + verify[k]`` plain-step
     costs. Stopping after the first unsure token trades the tokens past it, which are rarely
     accepted, for the draft steps they cost. The plan with the most tokens per unit of time
-    wins; ``k = 0``, plain decoding, whenever speculation would not pay. Measured on the
-    0.5B/1.5B pair (INT4 draft, 768 positions of fixed target trajectories after a 1024-token
-    prompt): at T=0.7 the draft was sure (top probability >= 0.8) of 69% of positions and 91%
-    of those were accepted, against 54% of the rest; greedy, 82% of positions, 98% against 60%.
+    wins; ``k = 0``, plain decoding, whenever speculation would not pay. The split pays because
+    confidence predicts acceptance: with the INT4 0.5B drafting for the 1.5B at T=0.7, 91% of
+    the positions the draft is sure of (top probability >= 0.8) are accepted, 54% of the rest.
 
     Without confidence flags (``update(..., is_confident=None)``) every position counts as
     confident and the model is a single per-token acceptance rate.
@@ -206,8 +201,8 @@ class AdaptiveDraftLength:
     positions. A plain step tests nothing, so it pulls the acceptance rates toward the
     request's long-run ones: a good draft's bad spell ends in a few plain steps, while a poor
     draft's long-run rate keeps it plain, with a ``k = 1`` probe every ``probe_every`` plain
-    steps. (Measured on the 0.5B/1.5B pair at T=0.7: with a one-trial prior and no pull, one
-    early rejection left a request in plain decoding for ~25 steps.)
+    steps. (With a one-trial prior and no pull, one early rejection can leave a request in
+    plain decoding for ~25 steps.)
     """
 
     def __init__(self, k_max: int, costs: StepCosts | None = None, is_enabled: bool = True, ema: float = 0.9,

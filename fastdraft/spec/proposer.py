@@ -39,7 +39,7 @@ class DraftModelProposer:
     ``token_ids`` [draft_vocab]: the vocabulary ids of the draft head's rows when the head was
     restricted to frequent tokens (spec/draft_vocab.py). Proposals then carry probabilities
     over those ids only (``Proposal.draft_vocab_ids``): scattering each draft step's
-    distribution into a zeroed full-vocabulary row cost about 0.1 ms per draft token here.
+    distribution into a zeroed full-vocabulary row would cost about 0.1 ms per draft token.
 
     ``min_confidence`` > 0: each draft token is flagged confident when the draft's top
     probability (at the sampling temperature; softmax of the logits for greedy decoding)

@@ -176,7 +176,7 @@ def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, va
 
 def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models):
     # decode_logits runs a C++ DecoderStep built for one cache slot: kept from step to step (a
-    # rebuild every step cost about 0.3 ms), rebuilt when the cache, the rotary table or a
+    # rebuild every step would cost about 0.3 ms), rebuilt when the cache, the rotary table or a
     # weight it holds changes -- and always giving the module path's logits.
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
     steps = [(1, 1)] * 3 + [(4, 4)]

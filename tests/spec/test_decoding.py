@@ -116,8 +116,8 @@ def test_adaptive_controller_leaves_a_bad_spell_of_a_good_draft_within_a_few_pla
 
 
 def test_adaptive_controller_survives_an_early_rejection():
-    # One rejection at the first step must not cost a request dozens of plain steps (it did
-    # with these costs, measured for the 0.5B/1.5B pair at 1024 tokens of context).
+    # One rejection at the first step must not cost a request dozens of plain steps, as it would
+    # with a one-trial prior and no pull (costs: the 0.5B/1.5B pair at 1024 tokens of context).
     controller = AdaptiveDraftLength(k_max=4, costs=StepCosts(draft=0.29, verify=[1.0, 1.04, 1.12, 1.26, 1.40]))
     k = controller.next_plan().num_tokens
     assert k >= 1
