@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--checkpoint", help="a quantized checkpoint folder to evaluate")
     ev.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ev.add_argument("--seq-len", type=_positive_int, default=512)
+    ev.add_argument("--text", action="append", metavar="FILE",
+                    help="score this UTF-8 text file, whole, instead of the built-in texts (repeatable)")
+    ev.add_argument("--text-dir", action="append", metavar="DIR",
+                    help="score every file under this folder (repeatable)")
     ev.add_argument("--json", help="also write the results as JSON here")
     return parser
 
@@ -227,11 +231,12 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 def _cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from fastdraft.fileio import check_output_path
+    from fastdraft.fileio import check_output_path, write_json
     from fastdraft.models.loader import load_model, resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
-    from fastdraft.quant.data import calibration_samples, evaluation_texts
-    from fastdraft.quant.evaluate import EvalWindows, evaluate, format_table, score_reference
+    from fastdraft.quant.data import calibration_samples, evaluation_texts, read_text_files
+    from fastdraft.quant.evaluate import (EvalWindows, compare, evaluate, format_table, format_text_table,
+                                          score_reference)
     from fastdraft.quant.quantizer import quantize_model
 
     # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
@@ -243,24 +248,40 @@ def _cmd_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"--checkpoint: {err}") from None
     if args.json:
         check_output_path(args.json, is_dir=False)
+    user_texts = read_text_files(args.text or [], args.text_dir or []) if args.text or args.text_dir else None
     reference = load_model(args.model, dtype=args.dtype)
     seq_len = min(args.seq_len, reference.config.max_position_embeddings)
-    windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
-    ref_scores = score_reference(reference.model, windows)
-    results = [ref_scores.result]
+    if user_texts is not None:
+        try:  # the user's text is scored whole, in windows of seq_len tokens
+            windows = EvalWindows.build(reference.tokenizer, user_texts, seq_len=seq_len, max_tokens_per_text=None,
+                                        min_tokens_per_text=seq_len)
+        except ValueError as err:
+            raise ValueError(f"{err} (lower --seq-len)") from None
+    else:
+        windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
+
+    candidate, label = None, None
     if args.checkpoint:
-        candidate = load_model(args.checkpoint, dtype=args.dtype)
-        results.append(evaluate(candidate.model, windows, ref_scores, label=Path(args.checkpoint).name))
+        candidate, label = load_model(args.checkpoint, dtype=args.dtype), Path(args.checkpoint).name
     elif config is not None:
-        candidate = load_model(args.model, dtype=args.dtype)
+        candidate, label = load_model(args.model, dtype=args.dtype), config.label
         samples = calibration_samples(candidate.tokenizer, config.num_calib_samples, config.calib_seq_len,
                                       config.seed) if config.needs_calibration else None
         quantize_model(candidate.model, config, samples)
-        results.append(evaluate(candidate.model, windows, ref_scores, label=config.label))
-    print(format_table(results))
-    if args.json:
-        from fastdraft.fileio import write_json
 
+    if user_texts is not None:
+        if candidate is None:
+            results = [evaluate(reference.model, windows, label="reference")]
+        else:
+            results = list(compare(reference.model, candidate.model, windows, label=label))
+        print(format_text_table(results[-1]))
+    else:
+        ref_scores = score_reference(reference.model, windows)
+        results = [ref_scores.result]
+        if candidate is not None:
+            results.append(evaluate(candidate.model, windows, ref_scores, label=label))
+        print(format_table(results))
+    if args.json:
         write_json(args.json, [r.to_dict() for r in results])
 
 

@@ -75,6 +75,51 @@ def evaluation_texts() -> list[EvalText]:
     return texts
 
 
+def read_text_file(path: str | Path) -> EvalText:
+    """One user-supplied evaluation text, whole, named by its path.
+
+    ``ValueError`` for a path that is missing or a folder, and for a file that is empty, holds
+    NUL bytes or is not UTF-8: binary data would score as noise, so it is refused."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a text file (use --text-dir for a folder)")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    data = path.read_bytes()
+    if b"\x00" in data:
+        raise ValueError(f"{path} is a binary file, not UTF-8 text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return EvalText(str(path), text)
+
+
+def read_text_files(paths: list[str | Path] | tuple = (), dirs: list[str | Path] | tuple = ()) -> list[EvalText]:
+    """The texts of ``paths`` and of every file under ``dirs`` (hidden ones skipped), each file
+    once, in the order given and sorted within a folder. ``ValueError`` for any bad input."""
+    files: list[Path] = [Path(p) for p in paths]
+    for folder in map(Path, dirs):
+        if not folder.is_dir():
+            raise ValueError(f"{folder}: no such folder")
+        found = sorted(p for p in folder.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+        if not found:
+            raise ValueError(f"{folder} holds no files")
+        files += found
+    texts, seen = [], set()
+    for path in files:
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            texts.append(read_text_file(path))
+    if not texts:
+        raise ValueError("no text files given")
+    return texts
+
+
 def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, seed: int = 0,
                         prose_fraction: float = 0.25) -> list[torch.Tensor]:
     """``num_samples`` windows of ``seq_len`` token ids ([1, seq_len] each), drawn
