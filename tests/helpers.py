@@ -140,8 +140,11 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str) -> None:
-    """Write ``hf_model`` (F32 tensors) and ``tok`` into a GGUF file like llama.cpp does."""
+def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str, quant_types: Any = None) -> None:
+    """Write ``hf_model`` (F32 tensors) and ``tok`` into a GGUF file like llama.cpp does.
+
+    ``quant_types``: a function of the GGUF tensor name giving the ``GGMLQuantizationType``
+    its 2-D weight is quantized to (with ``gguf.quants.quantize``), or None for F32."""
     import gguf
 
     cfg = hf_model.config
@@ -189,7 +192,11 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str) 
                 array = llama_cpp_permute(array, cfg.num_attention_heads)
             elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        w.add_tensor(gname, array)
+        qtype = quant_types(gname) if quant_types is not None and array.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gname, array)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

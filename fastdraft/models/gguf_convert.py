@@ -120,7 +120,7 @@ def _eos_token_ids(reader: Any) -> list[int] | None:
     return ids or None
 
 
-def _unpermute_llama(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_llama(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo the row permutation llama.cpp applies to Q/K of ``llama`` models for its RoPE."""
     dim = weight.shape[0] // num_heads // 2
     w = weight.reshape(num_heads, dim, 2, *weight.shape[1:])
@@ -152,7 +152,7 @@ def _convert_tensors(reader: Any, config: ModelConfig, dtype: torch.dtype) -> di
         array = array.reshape([int(d) for d in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
         if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            array = _unpermute_llama(array, heads)
+            array = unpermute_llama(array, heads)
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # copy: memmap is read-only
     embed = tensors["model.embed_tokens.weight"]
     if embed.shape[0] < config.vocab_size:

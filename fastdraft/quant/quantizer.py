@@ -134,6 +134,9 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
 def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
                    calib_samples: list[torch.Tensor] | None = None, show_progress: bool = True) -> LlamaForCausalLM:
     """Quantize ``model`` in place (decoder linears, then lm_head / embeddings) and return it."""
+    if config.is_gguf_native:
+        raise ValueError("method=gguf keeps a GGUF file's own blocks: load the model with keep_gguf_quant=True "
+                         "(--keep-gguf-quant) instead of quantizing it")
     if config.needs_calibration:
         if not calib_samples:
             raise ValueError(f"{config.method} needs calibration samples")

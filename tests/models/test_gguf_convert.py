@@ -11,7 +11,7 @@ import torch
 from fastdraft.config import ModelConfig
 from fastdraft.engine.kv_cache import KVCache
 from fastdraft.engine.tokenizer import Tokenizer
-from fastdraft.models.gguf_convert import GGUFError, _unpermute_llama, convert_gguf_to_hf
+from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf
 from fastdraft.models.loader import load_model, load_state_dict
 from tests.helpers import CHAT_TEMPLATE, llama_cpp_permute, write_tiny_gguf
 
@@ -34,7 +34,7 @@ def test_unpermute_inverts_llama_cpp_permute(heads, rows, cols):
     w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
     permuted = llama_cpp_permute(w, heads)
     assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(_unpermute_llama(permuted, heads), w)
+    np.testing.assert_array_equal(unpermute_llama(permuted, heads), w)
 
 
 @pytest.mark.parametrize("variant,arch", CASES)

@@ -1,0 +1,223 @@
+"""GGUF-native weights: a GGUF file's quantized blocks held in fastdraft's formats as they are.
+
+The known models ship as GGUF files that are already 4-6 bit, and the reference model is
+their dequantized copy. Re-quantizing that copy stacks a second rounding error on the first;
+keeping the file's own codes and scales does not. Each GGUF block type maps to the smallest
+fastdraft format (``quant/format.py``) that holds its values:
+
+========  ==========================  =====================================================
+GGUF      fastdraft                   values
+========  ==========================  =====================================================
+Q4_0      INT4 g32, symmetric         exact: ``d * (q - 8)``
+Q4_1      INT4 g32, float zeros       codes and scale exact; zero ``-m / d`` rounded to fp16
+Q4_K      INT4 g32, float zeros       codes exact; the 32-weight sub-block's scale ``d * sc``
+                                      and zero ``dmin * m / (d * sc)`` rounded to fp16
+Q5_0      INT6 g32, symmetric         exact: ``q6 = q5 + 16`` with the block's scale
+Q8_0      INT8 g32, symmetric         exact
+other     INT8 g32, symmetric         not exact: requantized (RTN) from the dequantized
+                                      values. Q6_K is among them: its 16-weight sub-blocks
+                                      carry their own scales, which a 32-weight group cannot.
+========  ==========================  =====================================================
+
+Float tensors (norms, biases, F16/F32 weights) and the token embedding, of which a decode
+step reads one row, stay dense.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import Q4_K, dequantize
+from torch import nn
+
+from fastdraft.models.gguf_convert import unpermute_llama
+from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
+from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
+from fastdraft.quant.linear import QuantLinear, exact_min_rows
+from fastdraft.quant.quantizer import replace_module
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+# HF linear name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.").
+_GGUF_LINEARS = {
+    "self_attn.q_proj": "attn_q.weight", "self_attn.k_proj": "attn_k.weight", "self_attn.v_proj": "attn_v.weight",
+    "self_attn.o_proj": "attn_output.weight", "mlp.gate_proj": "ffn_gate.weight", "mlp.up_proj": "ffn_up.weight",
+    "mlp.down_proj": "ffn_down.weight",
+}
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
+    """[rows, bytes per row] tensor data as uint8 [rows, blocks per row, block_bytes]."""
+    return np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1, block_bytes)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 fields ([..., 2] uint8) as float32 [...]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def _q4_0(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    d = _f16(blocks[..., 0:2])  # [rows, num_blocks]
+    qs = blocks[..., 2:18]  # low nibbles: weights 0-15; high nibbles: weights 16-31
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    return QuantizedWeight(pack_int4(_tensor(q, torch.uint8)), _tensor(d, SCALE_DTYPE), None, 4, GROUP,
+                           num_blocks * GROUP)
+
+
+def _q4_1(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    qs = blocks[..., 4:20]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    return _float_zero_weight(q, d, m, num_blocks * GROUP)
+
+
+def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_features: int) -> QuantizedWeight:
+    """INT4 with float zeros for groups whose values are ``scale * q + offset``."""
+    is_constant = scale == 0  # every value of the group is ``offset``: code 0 with zero -offset / scale
+    if is_constant.any():
+        q = q.reshape(*scale.shape, GROUP).copy()
+        q[is_constant] = 0
+        q = q.reshape(scale.shape[0], -1)
+        scale = np.where(is_constant, np.where(offset == 0, 1.0, np.abs(offset)), scale)
+    zero = -offset / scale
+    return QuantizedWeight(pack_int4(_tensor(q, torch.uint8)), _tensor(scale, SCALE_DTYPE),
+                           _tensor(zero, SCALE_DTYPE), 4, GROUP, in_features)
+
+
+def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, num_blocks]
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [rows * num_blocks, 8] each
+    sc = sc.reshape(rows, num_blocks, 8).astype(np.float32)
+    m = m.reshape(rows, num_blocks, 8).astype(np.float32)
+    # 4 chunks of 32 bytes: the low nibbles are sub-block 2c, the high nibbles sub-block 2c + 1.
+    qs = blocks[..., 16:144].reshape(rows, num_blocks, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
+    scale = (d[..., None] * sc).reshape(rows, -1)  # [rows, num_groups]
+    offset = -(dmin[..., None] * m).reshape(rows, -1)
+    return _float_zero_weight(q, scale, offset, num_blocks * 256)
+
+
+def _q5_0(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    d = _f16(blocks[..., 0:2])
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [rows, num_blocks, 1]: bit i is weight i's 5th bit
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, num_blocks, 32]
+    qs = blocks[..., 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    q6 = (low | (high << 4)) + 16  # Q5_0's d * (q5 - 16) is INT6's scale * (q6 - 32)
+    return QuantizedWeight(pack_int6(_tensor(q6.reshape(rows, -1), torch.uint8)), _tensor(d, SCALE_DTYPE), None,
+                           6, GROUP, num_blocks * GROUP)
+
+
+def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    d = _f16(blocks[..., 0:2])
+    q = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8).reshape(rows, -1)
+    return QuantizedWeight(_tensor(q, torch.int8), _tensor(d, SCALE_DTYPE), None, 8, GROUP, num_blocks * GROUP)
+
+
+_EXACT = {
+    GGMLQuantizationType.Q4_0: (18, _q4_0),
+    GGMLQuantizationType.Q4_1: (20, _q4_1),
+    GGMLQuantizationType.Q4_K: (144, _q4_k),
+    GGMLQuantizationType.Q5_0: (22, _q5_0),
+    GGMLQuantizationType.Q8_0: (34, _q8_0),
+}
+
+
+def native_weight(tensor, num_heads: int | None = None) -> tuple[QuantizedWeight | None, bool]:
+    """The GGUF ``tensor`` (a ``gguf.ReaderTensor`` of a 2-D weight) in a fastdraft format:
+    ``(weight, is_exact)``, or ``(None, True)`` for a float tensor, which stays dense.
+
+    ``num_heads``: undo llama.cpp's RoPE row permutation of a ``llama`` model's Q/K weight."""
+    if tensor.tensor_type in _FLOAT_TYPES:
+        return None, True
+    rows = int(tensor.shape[1])
+    if tensor.tensor_type in _EXACT:
+        block_bytes, convert = _EXACT[tensor.tensor_type]
+        qw, is_exact = convert(_blocks(tensor.data, rows, block_bytes)), True
+    else:
+        dense = dequantize(tensor.data, tensor.tensor_type).reshape(rows, -1)
+        qw, is_exact = quantize(torch.from_numpy(np.array(dense, dtype=np.float32)), bits=8, group_size=GROUP), False
+    if num_heads is not None:
+        qw = _permute_rows(qw, num_heads)
+    return qw, is_exact
+
+
+def _permute_rows(qw: QuantizedWeight, num_heads: int) -> QuantizedWeight:
+    order = torch.from_numpy(unpermute_llama(np.arange(qw.out_features), num_heads))
+    zeros = None if qw.zeros is None else qw.zeros[order]
+    return QuantizedWeight(qw.qweight[order], qw.scales[order], zeros, qw.bits, qw.group_size, qw.in_features)
+
+
+def weight_format(qw: QuantizedWeight) -> WeightFormat:
+    return WeightFormat(qw.bits, qw.group_size, qw.is_sym, qw.has_float_zeros)
+
+
+def has_native_weights(gguf_path: str | Path) -> bool:
+    """Whether the file holds any quantized weight to keep."""
+    return any(t.tensor_type not in _FLOAT_TYPES for t in GGUFReader(gguf_path).tensors)
+
+
+@torch.inference_mode()
+def apply_gguf_native(model: LlamaForCausalLM, gguf_path: str | Path) -> QuantConfig:
+    """Replace ``model``'s decoder linears and LM head with the quantized blocks of
+    ``gguf_path``, the file the model was converted from, and return the config that records
+    each tensor's format (``method="gguf"``; saved checkpoints reload from it)."""
+    reader = GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = model.config
+    formats: dict[str, WeightFormat] = {}
+    inexact: dict[str, int] = {}
+
+    def take(gguf_name: str, linear: nn.Module, num_heads: int | None = None) -> QuantLinear | None:
+        if gguf_name not in tensors:
+            raise ValueError(f"{gguf_path} has no tensor {gguf_name!r}; is it the file this model came from?")
+        tensor = tensors[gguf_name]
+        qw, is_exact = native_weight(tensor, num_heads)
+        if qw is None:
+            return None
+        if (qw.out_features, qw.in_features) != (linear.out_features, linear.in_features):
+            raise ValueError(f"{gguf_name} is {qw.out_features}x{qw.in_features} in {gguf_path}, "
+                             f"the model's is {linear.out_features}x{linear.in_features}")
+        if not is_exact:
+            inexact[tensor.tensor_type.name] = inexact.get(tensor.tensor_type.name, 0) + 1
+        bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()
+        return QuantLinear(qw, bias)
+
+    is_permuted = config.model_type == "llama"
+    for idx, layer in enumerate(model.model.layers):
+        for name in LAYER_LINEARS:
+            heads = None
+            if is_permuted and name in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if name == "self_attn.q_proj" else config.num_key_value_heads
+            module = take(f"blk.{idx}.{_GGUF_LINEARS[name]}", layer.get_submodule(name), heads)
+            if module is not None:
+                replace_module(layer, name, module)
+                formats[f"{idx}.{name}"] = weight_format(module.quantized_weight)
+    # A tied head reads the embedding's blocks, as llama.cpp does.
+    head = take("output.weight" if "output.weight" in tensors else "token_embd.weight", model.lm_head)
+    if head is not None:
+        model.lm_head = head
+        formats["lm_head"] = weight_format(head.quantized_weight)
+    for type_name, count in inexact.items():
+        logger.warning("%s: %d %s tensors have no exact fastdraft format; held at INT8 g32 (requantized)",
+                       Path(gguf_path).name, count, type_name)
+    quant_config = QuantConfig.from_tensor_formats(formats)
+    model.quant_config = quant_config
+    model.min_rows = exact_min_rows(model)
+    return quant_config
