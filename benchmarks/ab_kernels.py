@@ -25,12 +25,12 @@ from types import ModuleType
 
 import torch
 
+from fastdraft.engine.loader import load_model
 import fastdraft.kernels.build as build
 import fastdraft.kernels.fused as fused
 import fastdraft.kernels.x86 as x86
+from fastdraft.layers.kv_cache import KVCache
 import fastdraft.models.fused_decoder as fused_decoder
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.models.loader import load_model
 from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 

@@ -18,13 +18,13 @@ from dataclasses import replace
 import torch
 
 from fastdraft.engine.generate import TextGenerator
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.models.loader import load_model
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import EVAL_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig, prepare_draft
 
 

@@ -26,13 +26,14 @@ import torch
 
 from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.generate import generate_token_ids
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.models.loader import load_model, parse_dtype, resolve_model_dir
+from fastdraft.layers.kv_cache import KVCache
+from fastdraft.models.loader import parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
+from fastdraft.sampling_params import SamplingParams
+from fastdraft.tokenizer import Tokenizer
 
 DEFAULT_MODELS = ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
 TokenStream = Callable[[list[int], int], Iterator[int]]  # (prompt ids, new tokens) -> token ids

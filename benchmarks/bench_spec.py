@@ -34,12 +34,12 @@ from bench_latency import (  # noqa: E402
     FAST_STATE_GB_S, STABLE_PROBES, add_state_split_argument, measure_bandwidth, memory_state)
 
 from fastdraft.engine.generate import TextGenerator  # noqa: E402
-from fastdraft.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdraft.engine.loader import load_model  # noqa: E402
 from fastdraft.fileio import write_json  # noqa: E402
-from fastdraft.models.loader import load_model  # noqa: E402
 from fastdraft.quant.config import QuantConfig, parse_quant_spec  # noqa: E402
 from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root  # noqa: E402
 from fastdraft.quant.quantizer import quantize_model  # noqa: E402
+from fastdraft.sampling_params import SamplingParams  # noqa: E402
 from fastdraft.spec.config import SpeculativeConfig  # noqa: E402
 from fastdraft.spec.decoding import SpecMetrics  # noqa: E402
 

@@ -6,10 +6,10 @@ Front doors: :class:`LLM` (vLLM style), :class:`AutoModelForCausalLM` (HF style)
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.generate import GenerationMetrics, TextGenerator
-from fastdraft.engine.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
 from fastdraft.quant.config import QuantConfig
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
 
 __version__ = "0.1.0"

@@ -150,8 +150,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from fastdraft.engine.generate import TextGenerator
-    from fastdraft.engine.sampling_params import SamplingParams
-    from fastdraft.models.loader import load_model
+    from fastdraft.engine.loader import load_model
+    from fastdraft.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
@@ -184,14 +184,15 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 def _cmd_quantize(args: argparse.Namespace) -> None:
     from pathlib import Path
 
+    from fastdraft.engine.loader import load_model
     from fastdraft.fileio import check_output_path
-    from fastdraft.models.loader import load_model
     from fastdraft.quant.checkpoint import save_quantized
     from fastdraft.quant.config import parse_quant_spec
 
     if args.output:  # fail now, not after minutes of quantization
         check_output_path(args.output, is_dir=True)
     if args.auto:
+        from fastdraft.engine.timing import GreedyDecodeTimer
         from fastdraft.quant.auto import SCHEMES, AutoSearchSpace, auto_quantize, write_report
 
         schemes = tuple(s.strip() for s in args.sym.split(",") if s.strip())
@@ -209,7 +210,9 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         if args.report_dir:
             check_output_path(report_dir, is_dir=True)
         loaded = load_model(args.model, dtype=args.dtype)
-        result, best_model = auto_quantize(loaded, space, report_dir=report_dir, gguf_path=_gguf_or_none(args.model))
+        timer = GreedyDecodeTimer.for_code(loaded.tokenizer, space.num_decode_tokens)
+        result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
+                                           gguf_path=_gguf_or_none(args.model))
         print(write_report(result, space, report_dir))
         print(f"report written to {report_dir}/report.md, report.json, report.png")
         if best_model is None:
@@ -238,7 +241,8 @@ def _gguf_or_none(model: str):
 
 def _quantized(model: str, config, dtype: str):
     """``model`` loaded and quantized by ``config``; ``method=gguf`` keeps its GGUF file's blocks."""
-    from fastdraft.models.loader import gguf_source, load_model
+    from fastdraft.engine.loader import load_model
+    from fastdraft.models.loader import gguf_source
     from fastdraft.quant.data import calibration_samples
     from fastdraft.quant.quantizer import quantize_model
 
@@ -255,8 +259,9 @@ def _quantized(model: str, config, dtype: str):
 def _cmd_eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
+    from fastdraft.engine.loader import load_model
     from fastdraft.fileio import check_output_path, write_json
-    from fastdraft.models.loader import load_model, resolve_model_dir
+    from fastdraft.models.loader import resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
     from fastdraft.quant.data import evaluation_texts, read_text_files
     from fastdraft.quant.evaluate import (EvalWindows, compare, evaluate, format_table, format_text_table,

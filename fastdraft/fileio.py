@@ -60,3 +60,8 @@ def atomic_write(path: str | Path, write: Callable[[str], Any]) -> None:
 
 def write_json(path: str | Path, data: Any) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2)))
+
+
+def fastdraft_home() -> Path:
+    """Cache root: ``$FASTDRAFT_HOME``, default ``~/.cache/fastdraft``."""
+    return Path(os.environ.get("FASTDRAFT_HOME", Path.home() / ".cache" / "fastdraft")).expanduser()

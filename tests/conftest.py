@@ -70,14 +70,14 @@ def llama_dir(tiny_models) -> Path:
 @pytest.fixture(scope="session")
 def tiny_loaded(llama_dir):
     """The tiny Llama loaded through fastdraft (fp32). The model holds no per-request state."""
-    from fastdraft.models.loader import load_model
+    from fastdraft.engine.loader import load_model
 
     return load_model(llama_dir, dtype="fp32")
 
 
 @pytest.fixture(scope="session")
 def qwen2_loaded(tiny_models):
-    from fastdraft.models.loader import load_model
+    from fastdraft.engine.loader import load_model
 
     return load_model(tiny_models.dir("qwen2"), dtype="fp32")
 
@@ -103,6 +103,6 @@ def real_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def real_model_fp32(real_model_dir):
-    from fastdraft.models.loader import load_model
+    from fastdraft.engine.loader import load_model
 
     return load_model(real_model_dir, dtype="fp32")

@@ -106,7 +106,7 @@ def test_request_longer_than_max_seq_len(capsys, llama_dir):
 
 def test_generate_from_local_hf_folder(capsys, llama_dir, tiny_loaded):
     from fastdraft.engine.generate import TextGenerator
-    from fastdraft.engine.sampling_params import SamplingParams
+    from fastdraft.sampling_params import SamplingParams
 
     threads = torch.get_num_threads()
     code = main(["generate", "--model", str(llama_dir), "--prompt", "the cat", "--max-tokens", "12",
@@ -139,14 +139,14 @@ def test_subprocess_error_has_no_traceback(tmp_path):
 
 def _no_long_work(monkeypatch):
     """Make the expensive steps fail the test if reached: bad arguments must be caught first."""
-    import fastdraft.models.loader
+    import fastdraft.engine.loader
     import fastdraft.quant.evaluate
 
     def never(*args, **kwargs):
         pytest.fail("the command started its work before checking its arguments")
 
     monkeypatch.setattr(fastdraft.quant.evaluate, "score_reference", never)
-    monkeypatch.setattr(fastdraft.models.loader, "load_model", never)
+    monkeypatch.setattr(fastdraft.engine.loader, "load_model", never)
 
 
 def test_eval_checks_its_arguments_before_scoring_the_reference(capsys, monkeypatch, tmp_path, llama_dir):

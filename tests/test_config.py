@@ -22,7 +22,7 @@ def test_defaults_and_derived_fields():
 def test_kv_bytes_per_token_matches_the_cache_it_sizes():
     import torch
 
-    from fastdraft.engine.kv_cache import KVCache
+    from fastdraft.layers.kv_cache import KVCache
 
     c = ModelConfig(**BASE)
     cache = KVCache.from_config(c, max_seq_len=8, dtype=torch.bfloat16)

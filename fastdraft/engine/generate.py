@@ -11,22 +11,35 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from fastdraft.engine.allocator import tune_malloc
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import sample
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel
+from fastdraft.sampling_params import SamplingParams
+from fastdraft.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
-if TYPE_CHECKING:
-    from fastdraft.spec.config import SpeculativeConfig
-    from fastdraft.spec.decoding import SpecMetrics
+
+class Speculation(Protocol):
+    """What :class:`TextGenerator` needs of a speculative-decoding configuration
+    (``fastdraft.spec.config.SpeculativeConfig``): the engine runs speculation without knowing
+    how it drafts."""
+
+    num_speculative_tokens: int
+
+    def start(self, target: LoadedModel, kv_cache: KVCache, draft: LoadedModel | None) -> "Speculator":
+        """Prepare the proposer for ``target`` and its cache."""
+
+
+class Speculator(Protocol):
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 eos_token_ids: list[int]) -> tuple[Any, Iterator[int]]:
+        """(the request's acceptance metrics, an iterator of new token ids)."""
 
 
 @torch.inference_mode()
@@ -91,7 +104,7 @@ class GenerationMetrics:
     ttft_s: float = 0.0  # request start -> first token
     token_latencies_s: list[float] = field(default_factory=list)  # gaps between later tokens
     finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
-    spec: "SpecMetrics | None" = None  # acceptance figures when decoding speculatively
+    spec: Any = None  # acceptance figures (spec.decoding.SpecMetrics) when decoding speculatively
 
     @property
     def tpot_s(self) -> float:
@@ -148,7 +161,7 @@ class TextGenerator:
     """
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
-                 speculative: "SpeculativeConfig | None" = None, draft: LoadedModel | None = None) -> None:
+                 speculative: Speculation | None = None, draft: LoadedModel | None = None) -> None:
         tune_malloc()  # decode steps reuse their large buffers instead of page-faulting them in
         self.model = loaded.model
         if self.model.device.type == "cpu":
@@ -163,11 +176,7 @@ class TextGenerator:
         self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
                                             device=self.model.device)
         self.max_seq_len = self.kv_cache.max_seq_len - extra
-        self.proposer = None
-        if speculative is not None:
-            from fastdraft.spec.config import build_proposer
-
-            self.proposer = build_proposer(speculative, loaded, self.kv_cache, draft)
+        self.speculator = speculative.start(loaded, self.kv_cache, draft) if speculative is not None else None
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
@@ -202,15 +211,10 @@ class TextGenerator:
         stream = GenerationStream()
         stream.prompt_ids = prompt_ids
         stream.metrics.num_prompt_tokens = len(prompt_ids)
-        if self.proposer is None:
+        if self.speculator is None:
             token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)
         else:
-            from fastdraft.spec.decoding import SpecMetrics, speculative_generate
-
-            stream.metrics.spec = SpecMetrics()
-            token_iter = speculative_generate(self.model, self.proposer, prompt_ids, params, self.kv_cache,
-                                              self.eos_token_ids, self.speculative.num_speculative_tokens,
-                                              self.speculative.is_adaptive, stream.metrics.spec)
+            stream.metrics.spec, token_iter = self.speculator.generate(prompt_ids, params, self.eos_token_ids)
         stream._pieces = self._pieces(token_iter, params, start, stream)
         return stream
 

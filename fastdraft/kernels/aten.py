@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.formats import QuantizedWeight, unpack_int4
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
-from fastdraft.quant.format import QuantizedWeight, unpack_int4
 
 
 class AtenInt4Kernel(WeightOnlyKernel):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.quant.format import QuantizedWeight
+from fastdraft.formats import QuantizedWeight
 
 
 @dataclass(frozen=True)

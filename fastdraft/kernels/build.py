@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from fastdraft.fileio import fastdraft_home
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -67,8 +69,6 @@ def source_key(csrc: Path = CSRC) -> str:
 
 
 def cache_dir() -> Path:
-    from fastdraft.models.registry import fastdraft_home
-
     return fastdraft_home() / "kernels" / f"woq_x86-{source_key()}"
 
 

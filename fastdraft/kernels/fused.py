@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.layers.rotary import apply_rotary
+from fastdraft.kernels.reference import apply_rotary
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 

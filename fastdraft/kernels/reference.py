@@ -1,7 +1,8 @@
-"""Reference kernel: dequantize with the canonical formula, then a dense matmul.
+"""Plain PyTorch twins: the reference weight-only kernel and the rotary rotation.
 
-Slow in memory traffic (it keeps a dense copy), but exact and available everywhere; it is
-the twin every fast kernel is tested against.
+The reference kernel dequantizes with the canonical formula, then runs a dense matmul: slow in
+memory traffic (it keeps a dense copy), but exact and available everywhere; it is the twin
+every fast weight-only kernel is tested against.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastdraft.formats import QuantizedWeight, dequantize
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
-from fastdraft.quant.format import QuantizedWeight, dequantize
 
 
 class ReferenceKernel(WeightOnlyKernel):
@@ -24,3 +25,14 @@ class ReferenceKernel(WeightOnlyKernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [batch, heads, tokens, head_dim] by cos/sin [batch, tokens, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastdraft.formats import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import cpu_flags, load_x86_extension
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.quant.format import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 
 TILE = 16
 K_ALIGN = 128

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.engine.kv_cache import AttentionMetadata
 from fastdraft.kernels.fused import decode_attention, sdpa
+from fastdraft.layers.kv_cache import AttentionMetadata
 
 # Most tokens appended to a cached prefix that attend through decode_attention's causal
 # multi-token call (speculative verification); more take the masked SDPA path.

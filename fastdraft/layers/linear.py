@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdraft.formats import QuantizedWeight
+from fastdraft.kernels import kernel_class
 from fastdraft.kernels.fused import dense_linear
-from fastdraft.quant.format import QuantizedWeight
-from fastdraft.quant.linear import QuantLinear
+from fastdraft.layers.quant_linear import QuantLinear
 
 _CACHE_ATTR = "_fused_linears"
 
@@ -77,8 +78,6 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
     qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
                          None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
                          first.bits, first.group_size, first.in_features)
-    from fastdraft.kernels import kernel_class
-
     cls = kernel_class(qw, dtype, device)
     if cls.capabilities.priority <= 0:  # only the dense reference: fusing would copy weights
         return None

@@ -68,14 +68,3 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape ``[*positions.shape, head_dim]``."""
         cos, sin = self.tables(int(positions.max()) + 1, dtype, positions.device)
         return cos[positions], sin[positions]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [batch, heads, tokens, head_dim] by cos/sin [batch, tokens, head_dim]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.sampling_params import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

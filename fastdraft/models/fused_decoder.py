@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
 from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks, is_dense_linear
-from fastdraft.quant.linear import QuantLinear
+from fastdraft.layers.quant_linear import QuantLinear
 
 # Tokens per pass for which the module path's attention makes the same decode_attention call
 # as the fused path (layers.attention.cached_attention), so the two stay bit-identical.

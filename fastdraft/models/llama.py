@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2) with HF parameter names.
 
 One forward pass takes a batch of sequences, each at its own positions, and writes their
-keys/values into a :class:`~fastdraft.engine.kv_cache.KVCache` described by
-:class:`~fastdraft.engine.kv_cache.AttentionMetadata`.
+keys/values into a :class:`~fastdraft.layers.kv_cache.KVCache` described by
+:class:`~fastdraft.layers.kv_cache.AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
 from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import cached_attention
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
 from fastdraft.layers.linear import Linear, fused_linears, has_hooks
 from fastdraft.layers.norm import RMSNorm
+from fastdraft.layers.quant_linear import EXACT_MIN_ROWS
 from fastdraft.layers.rotary import RotaryEmbedding
 from fastdraft.models.fused_decoder import fused_decoder_for
 
 
-# Rows small matmuls are padded to when kernels are not row-invariant: one decode step and a
-# verification of up to 5 tokens (4 drafts + 1) then run in the same shape.
-EXACT_MIN_ROWS = 5
 
 
 class LlamaAttention(nn.Module):

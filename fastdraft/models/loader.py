@@ -6,19 +6,16 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, original_gguf, pull
-
-if TYPE_CHECKING:
-    from fastdraft.quant.config import QuantConfig
+from fastdraft.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +90,18 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu", quant_config: "QuantConfig | None" = None) -> LlamaForCausalLM:
+                device: torch.device | str = "cpu",
+                prepare: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
     """Instantiate our model from HF-named weights without a second copy in memory.
 
-    With ``quant_config`` the dense linears are first replaced by quantized placeholders, so
-    a saved quantized checkpoint loads as is.
+    ``prepare`` runs on the empty (meta-device) model before the weights are assigned: a saved
+    quantized checkpoint hands in the replacement of its dense linears by quantized
+    placeholders, so it loads as is.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-        if quant_config is not None:
-            from fastdraft.quant.checkpoint import apply_quant_structure
-
-            apply_quant_structure(model, quant_config)
+        if prepare is not None:
+            prepare(model)
     is_tied = config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear)
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     expected = set(model.state_dict())
@@ -125,11 +122,6 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     model.load_state_dict(state_dict, strict=False, assign=True)
     if is_tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if quant_config is not None:
-        from fastdraft.quant.linear import exact_min_rows
-
-        model.quant_config = quant_config
-        model.min_rows = exact_min_rows(model)
     return model.eval()
 
 
@@ -150,43 +142,3 @@ def parse_device(device: torch.device | str, what: str = "device") -> torch.devi
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{what} 'cuda' requested but CUDA is not available")
     return parsed
-
-
-def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
-               load_in_low_bit: str | None = None, keep_gguf_quant: bool = False) -> LoadedModel:
-    """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
-
-    ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
-    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, groups of 32) with
-    compute in ``dtype``. ``keep_gguf_quant``: the linears keep the quantized blocks of the GGUF
-    file the model comes from (a known name or a .gguf path), at the file's own precision.
-    """
-    from fastdraft.quant.checkpoint import quant_config_from_model_config
-    from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
-
-    if load_in_low_bit is not None and load_in_low_bit not in LOW_BIT_NAMES:
-        raise ValueError(f"unknown load_in_low_bit {load_in_low_bit!r}; choose from {', '.join(LOW_BIT_NAMES)}")
-    if keep_gguf_quant and load_in_low_bit not in (None, "bf16", "fp32"):
-        raise ValueError("keep_gguf_quant keeps the GGUF's own blocks; it cannot be combined with "
-                         f"load_in_low_bit={load_in_low_bit!r}")
-    if load_in_low_bit in ("bf16", "fp32"):
-        dtype = load_in_low_bit
-    torch_dtype = parse_dtype(dtype)
-    device = parse_device(device)
-    gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
-    model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_file(model_dir / "config.json")
-    saved_quant = quant_config_from_model_config(config.extra)
-    net = build_model(config, load_state_dict(model_dir), torch_dtype, device, saved_quant)
-    if gguf_path is not None:
-        from fastdraft.quant.gguf_native import apply_gguf_native
-
-        apply_gguf_native(net, gguf_path)
-    if load_in_low_bit in ("sym_int4", "asym_int4", "int8"):
-        if saved_quant is not None:
-            raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")
-        from fastdraft.quant.quantizer import quantize_model
-
-        quantize_model(net, QuantConfig.from_low_bit(load_in_low_bit), show_progress=False)
-    tokenizer = Tokenizer(model_dir)
-    return LoadedModel(model=net, tokenizer=tokenizer, config=config, model_dir=model_dir)

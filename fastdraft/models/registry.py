@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from fastdraft.fileio import fastdraft_home
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
@@ -124,11 +125,6 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 class PullError(RuntimeError):
     """The model could not be made ready (install failed, chunks missing or corrupt)."""
-
-
-def fastdraft_home() -> Path:
-    """Cache root: ``$FASTDRAFT_HOME``, default ``~/.cache/fastdraft``."""
-    return Path(os.environ.get("FASTDRAFT_HOME", Path.home() / ".cache" / "fastdraft")).expanduser()
 
 
 def model_dir(name: str) -> Path:

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from fastdraft.engine.generate import decode_one_token, prefill
 from fastdraft.fileio import atomic_write, write_json
-from fastdraft.engine.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import GGUF_METHOD, LAYER_LINEARS, QuantConfig
+from fastdraft.quant.config import GGUF_METHOD, LAYER_LINEARS, QuantConfig, parse_quant_spec
 from fastdraft.quant.data import calibration_samples, evaluation_texts
 from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
 from fastdraft.quant.gguf_native import apply_gguf_native
@@ -89,7 +86,6 @@ class AutoSearchSpace:
     def configs(self, extra_int8_sets: tuple[tuple[str, ...], ...] = ()) -> list[QuantConfig]:
         """The candidates: the explicit list, or the grid (with ``extra_int8_sets`` added to its INT8 sets)."""
         if self.candidates:
-            from fastdraft.quant.config import parse_quant_spec
 
             return [parse_quant_spec(c) for c in self.candidates]
         configs = [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
@@ -127,34 +123,24 @@ class AutoResult:
     int8_gains: list[Int8Gain] = field(default_factory=list)  # with num_int8_sets: the ranking measured
 
 
-@torch.inference_mode()
-def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int]) -> float:
-    """Median greedy next-token latency in milliseconds."""
-    cache = KVCache.from_config(model.config, len(prompt_ids) + num_tokens + 1, dtype=model.dtype, device=model.device)
-    logits = prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
-    times = []
-    for _ in range(num_tokens):
-        start = time.perf_counter()
-        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
+class DecodeTimer(Protocol):
+    """How the search times a candidate's decoding; the engine provides one
+    (:class:`fastdraft.engine.timing.GreedyDecodeTimer`)."""
+
+    def time(self, model: LlamaForCausalLM) -> float:
+        """Median per-token decode latency in milliseconds."""
+
+    def time_interleaved(self, models: list[LlamaForCausalLM], num_rounds: int) -> list[float]:
+        """Each model's median latency (ms) over rounds in which the models take turns."""
 
 
-def time_interleaved(models: list[LlamaForCausalLM], num_tokens: int, prompt_ids: list[int],
-                     num_rounds: int) -> list[float]:
-    """Each model's median decode latency (ms) over ``num_rounds`` rounds in which the models
-    take turns, so that a slow or fast spell of a shared machine falls on all of them alike."""
-    times: list[list[float]] = [[] for _ in models]
-    for _ in range(num_rounds):
-        for model_times, model in zip(times, models):
-            model_times.append(time_decode(model, num_tokens, prompt_ids))
-    return [statistics.median(t) for t in times]
-
-
-def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bool = True,
+def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, show_progress: bool = True,
                   report_dir: Path | None = None,
                   gguf_path: Path | None = None) -> tuple[AutoResult, LlamaForCausalLM | None]:
     """Run the search; returns the result and the winning quantized model (or None).
+
+    ``timer`` times each candidate's decoding (``space.num_decode_tokens`` is what the CLI's
+    timer decodes).
 
     With ``report_dir`` the report is rewritten after every candidate, so an interrupted
     search keeps what it measured. With ``gguf_path``, the GGUF file the model was converted
@@ -163,10 +149,9 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
     tokenizer = loaded.tokenizer
     seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
     windows = EvalWindows.build(tokenizer, evaluation_texts(), seq_len=seq_len)
-    prompt_ids = tokenizer.encode("def main():\n    ")
     ref_scores = score_reference(reference, windows, show_progress)
     ref_eval = ref_scores.result
-    result = AutoResult(reference=ref_eval, reference_decode_ms=time_decode(reference, space.num_decode_tokens, prompt_ids),
+    result = AutoResult(reference=ref_eval, reference_decode_ms=timer.time(reference),
                         reference_weight_bytes=reference.decode_weight_bytes())
     calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each config's own calibration set, drawn once
     state = load_state_dict(loaded.model_dir)
@@ -195,7 +180,7 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
         if not config.is_gguf_native:
             quantize_model(model, config, samples, show_progress)
         ev = evaluate(model, windows, ref_scores, label=config.label, show_progress=show_progress)
-        cand = Candidate(config, ev, time_decode(model, space.num_decode_tokens, prompt_ids), model.decode_weight_bytes())
+        cand = Candidate(config, ev, timer.time(model), model.decode_weight_bytes())
         cand.is_within_target = ev.ppl_loss <= space.max_loss
         result.candidates.append(cand)
         logger.info("%s: ppl loss %+.2f%%, decode %.1f ms", config.label, ev.ppl_loss * 100, cand.decode_ms)
@@ -210,8 +195,7 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, show_progress: bo
     if finalists and space.num_timing_rounds > 0:
         logger.info("timing %d finalists and the reference, %d interleaved rounds", len(finalists),
                     space.num_timing_rounds)
-        times = time_interleaved([reference] + [m for _, m in finalists], space.num_decode_tokens, prompt_ids,
-                                 space.num_timing_rounds)
+        times = timer.time_interleaved([reference] + [m for _, m in finalists], space.num_timing_rounds)
         result.reference_decode_ms = times[0]
         for (cand, _), ms in zip(finalists, times[1:]):
             cand.decode_ms, cand.is_retimed = ms, True

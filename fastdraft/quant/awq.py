@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastdraft.quant.format import dequantize, quantize, resolve_group_size
+from fastdraft.formats import dequantize, quantize, resolve_group_size
 
 _NUM_GRID = 20
 

@@ -13,13 +13,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from fastdraft.config import ModelConfig
+
 from fastdraft.fileio import atomic_dir
+from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.loader import build_model
 from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
-from fastdraft.quant.linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.quantizer import replace_module
 
 QUANT_METHOD_TAG = "fastdraft"
@@ -56,6 +60,15 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype)
+
+
+def build_quantized_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                          device: torch.device | str, quant_config: QuantConfig) -> LlamaForCausalLM:
+    """A saved checkpoint's model: quantized placeholders of ``quant_config`` filled by ``state_dict``."""
+    model = build_model(config, state_dict, dtype, device, prepare=lambda m: apply_quant_structure(m, quant_config))
+    model.quant_config = quant_config
+    model.min_rows = exact_min_rows(model)
+    return model
 
 
 def save_quantized(model: LlamaForCausalLM, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:

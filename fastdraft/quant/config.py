@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fastdraft.quant.format import PER_CHANNEL, SUPPORTED_GROUP_SIZES, WeightFormat
+from fastdraft.formats import PER_CHANNEL, SUPPORTED_GROUP_SIZES, WeightFormat
 
 METHODS = ("rtn", "gptq", "awq")
 # Not a quantization method: the weights keep a GGUF file's own blocks (quant/gguf_native.py).
@@ -91,7 +91,7 @@ class QuantConfig:
     group_size: int = 128  # 32..1024, or -1 for per channel
     sym: bool = True
     # Asymmetric INT4 only: fractional float16 zero points (llama.cpp Q4_1/Q4_K, ipex-llm
-    # asym_int4) instead of integers 0..15 (GPTQ/AWQ checkpoints); see quant/format.py.
+    # asym_int4) instead of integers 0..15 (GPTQ/AWQ checkpoints); see formats.py.
     float_zeros: bool = False
     act_order: bool = False  # GPTQ only: quantize columns by decreasing Hessian diagonal
     damp_percent: float = 0.01  # GPTQ: diagonal dampening, fraction of mean(diag(H))

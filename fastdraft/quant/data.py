@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.tokenizer import Tokenizer
 
 TEXTS_DIR = Path(__file__).parent / "texts"
 

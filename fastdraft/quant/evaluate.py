@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.data import EvalText
+from fastdraft.tokenizer import Tokenizer
 
 
 @dataclass

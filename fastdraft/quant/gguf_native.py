@@ -3,7 +3,7 @@
 The known models ship as GGUF files that are already 4-6 bit, and the reference model is
 their dequantized copy. Re-quantizing that copy stacks a second rounding error on the first;
 keeping the file's own codes and scales does not. Each GGUF block type maps to the smallest
-fastdraft format (``quant/format.py``) that holds its values:
+fastdraft format (``formats.py``) that holds its values:
 
 ========  ==========================  =====================================================
 GGUF      fastdraft                   values
@@ -34,11 +34,11 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K, dequantize
 from torch import nn
 
+from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
+from fastdraft.layers.quant_linear import QuantLinear, exact_min_rows
 from fastdraft.models.gguf_convert import unpermute_llama
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
-from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
-from fastdraft.quant.linear import QuantLinear, exact_min_rows
 from fastdraft.quant.quantizer import replace_module
 
 logger = logging.getLogger(__name__)

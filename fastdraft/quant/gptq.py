@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.quant.format import (
+from fastdraft.formats import (
     SCALE_DTYPE,
     QuantizedWeight,
     group_params,
@@ -48,7 +48,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
                   act_order: bool = False, damp_percent: float = 0.01, float_zeros: bool = False,
                   block_size: int = 128) -> QuantizedWeight:
     """GPTQ-quantize ``weight`` [N, K] to INT4 given the input Hessian [K, K]; ``float_zeros``
-    stores fractional float16 zero points (asymmetric only, see quant/format.py)."""
+    stores fractional float16 zero points (asymmetric only, see formats.py)."""
     if float_zeros and sym:
         raise ValueError("float zero points apply to asymmetric INT4 only")
     W = weight.detach().float().clone()  # [N, K]

@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.formats import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fastdraft.quant import awq
 from fastdraft.quant.config import ATTN_INPUT, LAYER_LINEARS, MLP_INPUT, QuantConfig
-from fastdraft.quant.format import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
-from fastdraft.quant.linear import QuantEmbedding, QuantLinear, exact_min_rows
 
 logger = logging.getLogger(__name__)
 

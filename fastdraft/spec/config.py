@@ -7,8 +7,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.models.loader import LoadedModel, build_model, load_model, load_state_dict, parse_device
+from fastdraft.engine.loader import load_model
+from fastdraft.fileio import fastdraft_home
+from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.linear import is_dense_linear
+from fastdraft.models.loader import LoadedModel, build_model, load_state_dict, parse_device
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quantizer import quantize_model
+from fastdraft.spec.decoding import Speculator
+from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
+from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,12 @@ class SpeculativeConfig:
         if self.draft_device is not None:
             parse_device(self.draft_device, "draft_device")
 
+    def start(self, target: LoadedModel, kv_cache: KVCache, draft: LoadedModel | None = None) -> Speculator:
+        """A speculator drafting for ``target`` with the proposer this config describes
+        (``TextGenerator`` calls this with its KV cache)."""
+        return Speculator(target.model, build_proposer(self, target, kv_cache, draft), kv_cache,
+                          self.num_speculative_tokens, self.is_adaptive)
+
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Raise ``ValueError`` unless both tokenizers map every shared token to the same id.
@@ -84,9 +98,6 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 def _restrict_draft_head(draft: LoadedModel, config: SpeculativeConfig) -> torch.Tensor | None:
     """Shrink a dense draft head to ``config.draft_vocab_size`` frequent tokens; the kept ids
     [draft_vocab] (sorted), or None when the head keeps the full vocabulary."""
-    from fastdraft.layers.linear import is_dense_linear
-    from fastdraft.models.registry import fastdraft_home
-    from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
 
     vocab_size = draft.config.vocab_size
     if config.draft_vocab_size is None or config.draft_vocab_size >= vocab_size:
@@ -103,8 +114,6 @@ def _restrict_draft_head(draft: LoadedModel, config: SpeculativeConfig) -> torch
 
 def _quantize_draft(draft: LoadedModel, config: SpeculativeConfig) -> LoadedModel:
     """Quantize a dense draft in place as ``config.draft_low_bit`` asks (RTN)."""
-    from fastdraft.quant.config import QuantConfig
-    from fastdraft.quant.quantizer import quantize_model
 
     if config.draft_low_bit is None or getattr(draft.model, "quant_config", None) is not None:
         return draft
@@ -140,7 +149,6 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
                    draft: LoadedModel | None = None):
     """The proposer ``config`` describes, ready to draft for ``target``. An already loaded
     ``draft`` model (HF's ``assistant_model``) is used as is instead of loading ``config.draft``."""
-    from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
 
     min_rows = target.model.min_rows
     if min_rows > 1 and config.num_speculative_tokens + 1 > min_rows:

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from fastdraft.engine.generate import check_request, make_generator, prefill
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import logits_to_probs, sample
 from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.draft_length import AdaptiveDraftLength, modeled_step_costs, step_costs_for
 from fastdraft.spec.rejection_sampler import verify_greedy, verify_sampled
 
@@ -91,6 +91,25 @@ def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if probs.shape[-1] < vocab_size:
         return F.pad(probs, (0, vocab_size - probs.shape[-1]))
     return probs[..., :vocab_size]
+
+
+class Speculator:
+    """Speculative decoding of one sequence at a time over ``kv_cache``: what
+    ``SpeculativeConfig.start`` hands a ``TextGenerator``."""
+
+    def __init__(self, target: LlamaForCausalLM, proposer, kv_cache: KVCache, num_speculative_tokens: int,
+                 is_adaptive: bool) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.kv_cache = kv_cache
+        self.num_speculative_tokens = num_speculative_tokens
+        self.is_adaptive = is_adaptive
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 eos_token_ids: list[int]) -> tuple[SpecMetrics, Iterator[int]]:
+        metrics = SpecMetrics()
+        return metrics, speculative_generate(self.target, self.proposer, prompt_ids, params, self.kv_cache,
+                                             eos_token_ids, self.num_speculative_tokens, self.is_adaptive, metrics)
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 
 

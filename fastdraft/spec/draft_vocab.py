@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastdraft.engine.tokenizer import Tokenizer
 from fastdraft.fileio import write_json
 from fastdraft.layers.linear import Linear, is_dense_linear
+from fastdraft.quant.data import calibration_texts
+from fastdraft.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 def corpus_texts() -> list[str]:
     """The ranking corpus: the calibration texts (never the held-out evaluation texts)."""
-    from fastdraft.quant.data import calibration_texts
 
     return calibration_texts()
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import greedy_ids, logits_to_probs, sample_from_probs
 from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.sampling_params import SamplingParams
 
 
 @dataclass

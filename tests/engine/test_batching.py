@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
 
 ATOL = 1e-5
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastdraft.engine.generate import TextGenerator, generate_token_ids
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.kv_cache import KVCache
+from fastdraft.sampling_params import SamplingParams
 
 PROMPT = "def add(a, b):\n    return"
 

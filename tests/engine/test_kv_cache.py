@@ -7,8 +7,8 @@ import torch
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.generate import check_request, decode_one_token, generate_token_ids, prefill
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.sampling_params import SamplingParams
 
 
 def _ids(vocab: int, n: int, seed: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fastdraft.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from fastdraft.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from tests.helpers import write_tokenizer_files
 
 

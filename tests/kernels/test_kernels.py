@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from fastdraft.formats import PER_CHANNEL, dequantize, quantize
 from fastdraft.kernels import KERNELS, select_kernel
-from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize
 
 INT4_KERNELS = [name for name, k in KERNELS.items() if 4 in k.capabilities.bits and k.is_available()]
 INT8_KERNELS = [name for name, k in KERNELS.items() if 8 in k.capabilities.bits and k.is_available()]

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastdraft.formats import PER_CHANNEL, dequantize, quantize, unpack_int6
 from fastdraft.kernels import fused, select_kernel
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
 from fastdraft.layers.sampler import greedy_ids
-from fastdraft.quant.format import PER_CHANNEL, dequantize, quantize, unpack_int6
 from tests.helpers import assert_tokens_equal_one_token_calls
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.engine.kv_cache import AttentionMetadata
 from fastdraft.layers.attention import cached_attention
+from fastdraft.layers.kv_cache import AttentionMetadata
 from fastdraft.layers.norm import RMSNorm
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fastdraft.layers.rotary import RotaryEmbedding, apply_rotary
+from fastdraft.kernels.reference import apply_rotary
+from fastdraft.layers.rotary import RotaryEmbedding
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

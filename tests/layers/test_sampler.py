@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.layers.sampler import (greedy_ids, logits_to_probs, reference_sample_from_probs, sample,
                                       sample_from_probs)
+from fastdraft.sampling_params import SamplingParams
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fastdraft.engine.generate import TextGenerator, decode_one_token, prefill
-from fastdraft.engine.kv_cache import AttentionMetadata, KVCache
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.sampling_params import SamplingParams
 from tests.helpers import assert_tokens_equal_one_token_calls
 
 pytestmark = [

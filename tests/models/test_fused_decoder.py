@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
+from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, _linear_op, _projections_op, fused_decoder_for
-from fastdraft.models.loader import load_model
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.tokenizer import Tokenizer
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf
-from fastdraft.models.loader import load_model, load_state_dict
+from fastdraft.models.loader import load_state_dict
+from fastdraft.tokenizer import Tokenizer
 from tests.helpers import CHAT_TEMPLATE, llama_cpp_permute, write_tiny_gguf
 
 CASES = [("llama", "llama"), ("llama_tied", "llama"), ("qwen2", "qwen2")]

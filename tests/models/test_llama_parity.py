@@ -7,7 +7,7 @@ import torch
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.generate import decode_one_token, prefill
-from fastdraft.engine.kv_cache import KVCache
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.loader import build_model, load_state_dict
 
 ATOL = 1e-4

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fastdraft.engine.generate import generate_token_ids
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.tokenizer import IncrementalDetokenizer
+from fastdraft.layers.kv_cache import KVCache
+from fastdraft.sampling_params import SamplingParams
+from fastdraft.tokenizer import IncrementalDetokenizer
 from tests.conftest import REAL_MODEL
 
 pytestmark = pytest.mark.real_model

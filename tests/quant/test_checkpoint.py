@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import calibration_samples
-from fastdraft.quant.linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.quantizer import quantize_model
 
 

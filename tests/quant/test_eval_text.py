@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fastdraft.cli import main
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import EvalText, read_text_files
 from fastdraft.quant.evaluate import EvalWindows, compare, evaluate, score_reference
@@ -110,12 +110,12 @@ def test_bad_folders(capsys, llama_dir, tmp_path):
 
 
 def test_bad_text_fails_before_any_model_loads(capsys, monkeypatch, tmp_path):
-    import fastdraft.models.loader
+    import fastdraft.engine.loader
 
     def never(*args, **kwargs):
         pytest.fail("a model was loaded before the text files were checked")
 
-    monkeypatch.setattr(fastdraft.models.loader, "load_model", never)
+    monkeypatch.setattr(fastdraft.engine.loader, "load_model", never)
     _fails_cleanly(capsys, ["eval", "--text", str(tmp_path / "nope.txt")], "no such file")
 
 

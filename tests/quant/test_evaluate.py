@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.engine.timing import GreedyDecodeTimer
 from fastdraft.quant import auto
 from fastdraft.quant.auto import AutoResult, AutoSearchSpace, Candidate, auto_quantize, report_markdown, write_report
 from fastdraft.quant.config import QuantConfig
@@ -70,7 +71,8 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
     space = AutoSearchSpace(methods=("rtn", "gptq"), group_sizes=(32, -1), schemes=("sym", "asym"), max_loss=0.5,
                             num_calib_samples=4, calib_seq_len=32, num_decode_tokens=4)
-    result, best_model = auto_quantize(loaded, space, show_progress=False, report_dir=tmp_path / "partial")
+    result, best_model = auto_quantize(loaded, space, timer(loaded, space), show_progress=False,
+                                       report_dir=tmp_path / "partial")
     assert len(result.candidates) == 8
     assert len(json.loads((tmp_path / "partial" / "report.json").read_text())["candidates"]) == 8
     within = [c for c in result.candidates if c.eval.ppl_loss <= space.max_loss]
@@ -91,7 +93,11 @@ def test_auto_flow_keeps_the_fastest_config_within_target(tiny_models, tmp_path,
     assert (tmp_path / "report" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_finalists_are_timed_again_in_turns(monkeypatch):
+def timer(loaded, space: AutoSearchSpace) -> GreedyDecodeTimer:
+    return GreedyDecodeTimer.for_code(loaded.tokenizer, space.num_decode_tokens)
+
+
+def test_finalists_are_timed_again_in_turns():
     # A machine that gets slower every call: timed one after another, the last model would
     # look slowest; taking turns, each model's median sees the same drift.
     calls = []
@@ -100,8 +106,8 @@ def test_finalists_are_timed_again_in_turns(monkeypatch):
         calls.append(model)
         return model + len(calls)  # the "model" is its true latency; the drift is +1 ms per call
 
-    monkeypatch.setattr(auto, "time_decode", fake_time_decode)
-    assert auto.time_interleaved([10.0, 5.0, 7.0], 4, [1], num_rounds=3) == [14.0, 10.0, 13.0]
+    drifting = GreedyDecodeTimer([1], 4, time_one=fake_time_decode)
+    assert drifting.time_interleaved([10.0, 5.0, 7.0], num_rounds=3) == [14.0, 10.0, 13.0]
     assert calls == [10.0, 5.0, 7.0] * 3
 
 
@@ -109,16 +115,15 @@ def test_auto_flow_keeps_at_most_max_finalists_and_retimes_them(tiny_models, mon
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
     retimed = []
-    real_interleaved = auto.time_interleaved
 
-    def spy(models, *args):
-        retimed.append(len(models))
-        return real_interleaved(models, *args)
+    class SpyTimer(GreedyDecodeTimer):
+        def time_interleaved(self, models, num_rounds):
+            retimed.append(len(models))
+            return super().time_interleaved(models, num_rounds)
 
-    monkeypatch.setattr(auto, "time_interleaved", spy)
     space = AutoSearchSpace(methods=("rtn",), group_sizes=(32, 64, -1), schemes=("asymf",), max_loss=0.99,
                             num_decode_tokens=2, num_timing_rounds=2, max_finalists=2)
-    result, best_model = auto_quantize(loaded, space, show_progress=False)
+    result, best_model = auto_quantize(loaded, space, SpyTimer.for_code(loaded.tokenizer, 2), show_progress=False)
     assert all(c.is_within_target for c in result.candidates)
     assert retimed == [3]  # the reference and two finalists
     assert sum(c.is_retimed for c in result.candidates) == 2
@@ -165,7 +170,7 @@ def test_int8_sensitivity_ranking_adds_nested_sets_to_the_grid(tiny_models, monk
     monkeypatch.setattr(auto, "evaluation_texts", lambda: TEXTS)
     space = AutoSearchSpace(methods=("rtn",), group_sizes=(-1,), schemes=("sym",), max_loss=0.99,
                             num_decode_tokens=2, num_timing_rounds=0, num_int8_sets=2)
-    result, _ = auto_quantize(loaded, space, show_progress=False)
+    result, _ = auto_quantize(loaded, space, timer(loaded, space), show_progress=False)
     gains = result.int8_gains
     assert gains and all(g.kl_saved > 0 and g.extra_bytes > 0 for g in gains)
     assert [g.kl_saved_per_mb for g in gains] == sorted((g.kl_saved_per_mb for g in gains), reverse=True)

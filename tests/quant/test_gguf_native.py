@@ -13,12 +13,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from fastdraft.cli import main
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.formats import WeightFormat, dequantize
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.registry import fastdraft_home
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import QuantConfig, format_spec, parse_format_spec
-from fastdraft.quant.format import WeightFormat, dequantize
 from fastdraft.quant.gguf_native import native_weight
 from fastdraft.quant.quantizer import quantize_model
 from tests.helpers import write_tiny_gguf

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fastdraft.engine.generate import TextGenerator
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
 
 pytestmark = [
@@ -24,9 +24,9 @@ def test_cuda_target_keeps_greedy_output(tiny_models, draft, draft_device):
     config = SpeculativeConfig(draft="self" if draft == "self" else str(tiny_models.dir("llama")),
                                draft_device=draft_device, draft_low_bit=None if draft == "model" else "sym_int4")
     generator = TextGenerator(target, max_seq_len=128, speculative=config)
-    assert generator.proposer.model.device.type == (draft_device or "cuda")
+    assert generator.speculator.proposer.model.device.type == (draft_device or "cuda")
     if draft_device == "cpu":
-        assert not generator.proposer.shares_target_cache  # a cache on another device cannot be shared
+        assert not generator.speculator.proposer.shares_target_cache  # a cache on another device cannot be shared
     out = generator.generate("def f(x):\n", params)
     assert out.token_ids == plain and out.metrics.spec.num_steps > 0
     seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from fastdraft.engine.generate import TextGenerator, generate_token_ids
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
-from fastdraft.models.loader import load_model
-from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec import draft_length
+from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
 from fastdraft.spec.decoding import SpecMetrics, _match_vocab, speculative_generate
 from fastdraft.spec.draft_length import (AdaptiveDraftLength, DraftPlan, StepCosts, measure_step_costs,
                                          step_costs_for)

@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fastdraft.engine.kv_cache import KVCache
-from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import logits_to_probs
-from fastdraft.models.loader import load_model
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec import draft_vocab
 from fastdraft.spec.config import SpeculativeConfig, build_proposer
 from fastdraft.spec.decoding import SpecMetrics, speculative_generate

@@ -5,8 +5,8 @@ import gc
 import pytest
 
 from fastdraft.engine.generate import TextGenerator
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.models.loader import load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
 
 pytestmark = pytest.mark.real_model

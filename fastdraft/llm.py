@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fastdraft.engine.generate import GenerationMetrics, TextGenerator
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.models.loader import LoadedModel, load_model
+from fastdraft.engine.loader import load_model
+from fastdraft.models.loader import LoadedModel
+from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
 
 

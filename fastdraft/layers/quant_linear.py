@@ -6,8 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, resolve_group_size
 from fastdraft.kernels import WeightOnlyKernel, kernel_class, select_kernel
-from fastdraft.quant.format import SCALE_DTYPE, QuantizedWeight, WeightFormat, resolve_group_size
+
+
+# Rows small matmuls are padded to when kernels are not row-invariant: one decode step and a
+# verification of up to 5 tokens (4 drafts + 1) then run in the same shape.
+EXACT_MIN_ROWS = 5
 
 
 class QuantLinear(nn.Module):
@@ -74,8 +79,6 @@ class QuantLinear(nn.Module):
 def exact_min_rows(model: nn.Module) -> int:
     """The ``min_rows`` a model needs for verification to reproduce decoding bit for bit:
     1 when every linear runs on a row-invariant kernel, else ``EXACT_MIN_ROWS`` (padding)."""
-    from fastdraft.models.llama import EXACT_MIN_ROWS
-
     dtype, device = model.dtype, model.device
     for module in model.modules():
         if isinstance(module, nn.Linear):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastdraft.quant.config import QuantConfig, parse_quant_spec
-from fastdraft.quant.format import (
+from fastdraft.formats import (
     PER_CHANNEL,
     SUPPORTED_GROUP_SIZES,
     dequantize,

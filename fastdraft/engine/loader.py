@@ -1,0 +1,53 @@
+"""Loading a model for inference: weights, saved or on-the-fly quantization, tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fastdraft.config import ModelConfig
+from fastdraft.models.loader import (LoadedModel, build_model, gguf_source, load_state_dict, parse_device,
+                                     parse_dtype, resolve_model_dir)
+from fastdraft.quant.checkpoint import build_quantized_model, quant_config_from_model_config
+from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
+from fastdraft.quant.gguf_native import apply_gguf_native
+from fastdraft.quant.quantizer import quantize_model
+from fastdraft.tokenizer import Tokenizer
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
+               load_in_low_bit: str | None = None, keep_gguf_quant: bool = False) -> LoadedModel:
+    """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
+
+    ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
+    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, groups of 32) with
+    compute in ``dtype``. ``keep_gguf_quant``: the linears keep the quantized blocks of the GGUF
+    file the model comes from (a known name or a .gguf path), at the file's own precision.
+    """
+    if load_in_low_bit is not None and load_in_low_bit not in LOW_BIT_NAMES:
+        raise ValueError(f"unknown load_in_low_bit {load_in_low_bit!r}; choose from {', '.join(LOW_BIT_NAMES)}")
+    if keep_gguf_quant and load_in_low_bit not in (None, "bf16", "fp32"):
+        raise ValueError("keep_gguf_quant keeps the GGUF's own blocks; it cannot be combined with "
+                         f"load_in_low_bit={load_in_low_bit!r}")
+    if load_in_low_bit in ("bf16", "fp32"):
+        dtype = load_in_low_bit
+    torch_dtype = parse_dtype(dtype)
+    device = parse_device(device)
+    gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    saved_quant = quant_config_from_model_config(config.extra)
+    state_dict = load_state_dict(model_dir)
+    if saved_quant is None:
+        net = build_model(config, state_dict, torch_dtype, device)
+    else:
+        net = build_quantized_model(config, state_dict, torch_dtype, device, saved_quant)
+    if gguf_path is not None:
+        apply_gguf_native(net, gguf_path)
+    if load_in_low_bit in ("sym_int4", "asym_int4", "int8"):
+        if saved_quant is not None:
+            raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")
+        quantize_model(net, QuantConfig.from_low_bit(load_in_low_bit), show_progress=False)
+    tokenizer = Tokenizer(model_dir)
+    return LoadedModel(model=net, tokenizer=tokenizer, config=config, model_dir=model_dir)

@@ -1,0 +1,32 @@
+"""The package's layering: the import-linter contracts in pyproject.toml hold."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_contracts_are_kept():
+    lint_imports = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    result = subprocess.run([lint_imports, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+def test_no_function_level_imports_of_the_package_below_the_front_doors():
+    """Imports inside functions would hide a cycle from the contract; only the command line,
+    which keeps its start-up light, imports lazily."""
+    offenders = []
+    for path in sorted((ROOT / "fastdraft").rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith((" ", "\t")) and line.lstrip().startswith(("from fastdraft", "import fastdraft")):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
