@@ -38,6 +38,11 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     return fastdraft_home() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
+def is_gguf_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """Return an HF folder for ``model``: a known name (pulled if needed), a folder, or a .gguf file."""
     model_str = str(model)
@@ -51,9 +56,7 @@ def resolve_model_dir(model: str | Path) -> Path:
             raise ValueError(f"{path} has no .safetensors weights")
         return path
     if path.is_file():
-        with open(path, "rb") as f:
-            is_gguf = f.read(4) == b"GGUF"
-        if not is_gguf:
+        if not is_gguf_file(path):
             raise ValueError(f"{path} is not a GGUF file")
         out_dir = _gguf_cache_dir(path)
         if not (out_dir / "model.safetensors").is_file():
@@ -71,10 +74,8 @@ def gguf_source(model: str | Path) -> Path:
     if model_str in KNOWN_MODELS:
         return original_gguf(model_str)
     path = Path(model_str).expanduser()
-    if path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return path
+    if path.is_file() and is_gguf_file(path):
+        return path
     raise ValueError(f"{model_str} is not a GGUF file or a known model, so it has no GGUF blocks to keep")
 
 
