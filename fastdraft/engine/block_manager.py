@@ -1,0 +1,172 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, prefix caching.
+
+The cache is a pool of ``num_blocks`` blocks of ``block_size`` token positions. A sequence holds
+a block table; a block may be shared by several sequences (a common prompt prefix) and is
+returned to the pool when its last holder lets go.
+
+Prefix caching: once a block is full, it is keyed by a hash of its tokens chained with the hash
+of the block before it, so the key names the whole prefix up to the block's end. A new sequence
+whose prompt starts with the same full blocks takes them from the cache instead of computing
+them. A freed block keeps its key and contents until the pool needs the block for something
+else; free blocks are handed out least recently freed first, so the most recently used
+prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fastdraft.engine.sequence import Sequence
+
+_NO_HASH = b""
+
+
+def block_hash(prev_hash: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block: its tokens chained with the key of the block before it."""
+    digest = hashlib.blake2b(prev_hash, digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    return digest.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes = _NO_HASH  # set once the block is full and committed
+
+
+class BlockManager:
+    """Allocates cache blocks to sequences; ``ValueError`` for a request that could never fit."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self._cached: dict[bytes, int] = {}  # full-block key -> block id
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """The share of blocks some sequence holds."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- allocation -----------------------------------------------------------------------
+
+    def _take_free_block(self) -> Block:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash and self._cached.get(block.hash) == block_id:
+            del self._cached[block.hash]  # evicted: its contents are about to be overwritten
+        block.hash = _NO_HASH
+        block.ref_count = 1
+        return block
+
+    def _hold(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def cached_prefix_blocks(self, seq: Sequence) -> list[Block]:
+        """The cached blocks that hold ``seq``'s leading full blocks, in order (a preempted
+        sequence finds its generated tokens too)."""
+        if not self.enable_prefix_caching:
+            return []
+        found, prev = [], _NO_HASH
+        tokens = seq.token_ids
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            prev = block_hash(prev, tokens[start:start + self.block_size])
+            block_id = self._cached.get(prev)
+            if block_id is None:
+                break
+            found.append(self.blocks[block_id])
+        return found
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``allocate(seq, num_new_tokens)`` would succeed now."""
+        cached = self.cached_prefix_blocks(seq)
+        num_reused_free = sum(b.ref_count == 0 for b in cached)
+        num_computed = self._num_computed_after_hits(seq, cached)
+        needed = self.num_blocks_for(num_computed + num_new_tokens) - len(cached)
+        return max(needed, 0) + num_reused_free <= self.num_free_blocks
+
+    def _num_computed_after_hits(self, seq: Sequence, cached: list[Block]) -> int:
+        # The last token is always computed: its logits pick the next one. (When every block
+        # was a hit, its key and value are written again, the same values, into a shared block.)
+        return min(len(cached) * self.block_size, seq.num_tokens - 1)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give a waiting ``seq`` its blocks: cached prefix blocks first (counted as computed),
+        then fresh ones for ``num_new_tokens`` more tokens. Call ``can_allocate`` first."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.request_id} already holds blocks")
+        cached = self.cached_prefix_blocks(seq)
+        seq.num_computed_tokens = self._num_computed_after_hits(seq, cached)
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_computed_tokens
+        for block in cached:
+            self._hold(block)
+        seq.block_table = [b.block_id for b in cached]
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if not self.append_slots(seq, num_new_tokens):
+            self.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            raise ValueError("not enough free blocks; call can_allocate first")
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``seq`` past its computed ones;
+        False, changing nothing, when the pool has too few free blocks."""
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take_free_block().block_id for _ in range(max(needed, 0)))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Key ``seq``'s full, computed blocks for prefix caching (after a forward pass)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        tokens = seq.token_ids
+        prev = _NO_HASH
+        for index in range(num_full):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash:
+                prev = block.hash
+                continue
+            prev = block_hash(prev, tokens[index * self.block_size:(index + 1) * self.block_size])
+            block.hash = prev
+            # Another sequence may have computed the same prefix meanwhile: keep the first copy
+            # findable, and let this one be evicted with its key when it is freed.
+            self._cached.setdefault(prev, block.block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks. Its last blocks go to the pool first, so they are evicted
+        before the prefix blocks that other requests are likelier to share."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The cache slot (block id * block_size + offset) of ``seq``'s token at ``position``."""
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,0 +1,169 @@
+"""Iteration-level scheduling: which sequences compute how many tokens in the next step.
+
+Every step has a token budget (``max_num_batched_tokens``) shared by all sequences, as in
+vLLM's v1 scheduler: running sequences are served first, oldest first (a decode takes one
+token, an unfinished prompt a chunk of what is left), then waiting ones, oldest first, take
+what budget remains. A long prompt is thus prefilled in chunks between decode steps instead of
+stalling them. When the cache runs out of blocks, the newest running sequence is preempted: its
+blocks are freed and it waits to be computed again (prefix caching usually finds most of them
+still in the pool).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step; checked with ``ValueError``."""
+
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens one step computes, over all sequences
+    enable_chunked_prefill: bool = True  # False: a prompt is computed whole in one step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: ``num_scheduled_tokens[i]`` tokens of ``seqs[i]``, starting at its
+    ``num_computed_tokens``."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; ``ValueError`` if it could never fit the cache, even alone."""
+        needed = self.block_manager.num_blocks_for(seq.num_prompt_tokens + seq.params.max_new_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"request {seq.request_id} needs {needed} cache blocks for its prompt and "
+                             f"max_new_tokens; the cache has {self.block_manager.num_blocks}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop the request, freeing its blocks; the sequence, or None if it is unknown."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    return seq
+        return None
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        num = seq.num_uncomputed_tokens
+        if not self.config.enable_chunked_prefill and num > budget:
+            return 0  # a whole prompt or nothing
+        return min(num, budget)
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        output.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num = self._chunk(seq, budget)
+            if num == 0:
+                index += 1
+                continue
+            while not self.block_manager.append_slots(seq, num):
+                victim = self.running[-1]  # the newest running sequence gives way
+                self._preempt(victim, output)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing older is left to make room for it
+            output.seqs.append(seq)
+            output.num_scheduled_tokens.append(num)
+            budget -= num
+            index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = len(self.block_manager.cached_prefix_blocks(seq)) * self.block_manager.block_size
+            uncomputed = seq.num_tokens - min(cached, seq.num_tokens - 1)
+            num = min(uncomputed, budget)
+            if not self.config.enable_chunked_prefill and uncomputed > budget:
+                break
+            if not self.block_manager.can_allocate(seq, num):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.seqs.append(seq)
+            output.num_scheduled_tokens.append(num)
+            budget -= num
+        return output
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int], eos_token_ids: set[int]) -> list[Sequence]:
+        """Record a step: every scheduled sequence computed its tokens, and those that reached
+        the end of their tokens sampled one (``sampled``, by ``seq_id``). Returns the sequences
+        that finished, their blocks freed."""
+        finished = []
+        for seq, num in zip(output.seqs, output.num_scheduled_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted later in the same schedule
+            seq.num_computed_tokens += num
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk: no token yet
+            token = sampled[seq.seq_id]
+            seq.output_token_ids.append(token)
+            reason = None
+            if token in eos_token_ids and not seq.params.ignore_eos:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence (EOS, length, or a stop string found by the caller)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
