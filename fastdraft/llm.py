@@ -1,7 +1,8 @@
-"""Two familiar front doors over :class:`TextGenerator`.
+"""Two familiar front doors.
 
 * vLLM style: ``LLM(model=..., speculative_model=... | "self", num_speculative_tokens=...)``
-  and ``llm.generate(prompts, SamplingParams(...))`` returning ``RequestOutput`` objects.
+  and ``llm.generate(prompts, SamplingParams(...))`` returning ``RequestOutput`` objects,
+  batched through the serving engine.
 * HF style: ``AutoModelForCausalLM.from_pretrained(path, load_in_low_bit=..., speculative=True)``
   and ``model.generate(input_ids, max_new_tokens=..., do_sample=...)`` returning token ids.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from fastdraft.engine.generate import GenerationMetrics, TextGenerator
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.models.loader import LoadedModel
 from fastdraft.sampling_params import SamplingParams
@@ -36,31 +39,62 @@ class RequestOutput:
 
 
 class LLM:
-    """vLLM-style offline inference (one request at a time for now)."""
+    """vLLM-style offline inference.
+
+    Plain requests run through the serving engine (``engine/llm_engine.py``): ``generate``
+    queues every prompt and steps until all are done, batching them over the paged KV cache.
+    With ``speculative_model`` the prompts run one at a time through the speculative loop."""
 
     def __init__(self, model: str, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
-                 draft_device: str | None = None, max_model_len: int = 4096) -> None:
+                 draft_device: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, kv_cache_memory: float | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
         loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
-        spec = None
+        self.tokenizer = loaded.tokenizer
+        self.generator: TextGenerator | None = None
+        self.engine: LLMEngine | None = None
         if speculative_model is not None:
             spec = SpeculativeConfig(draft=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                      draft_device=draft_device)
-        self.generator = TextGenerator(loaded, max_seq_len=max_model_len, speculative=spec)
-        self.tokenizer = loaded.tokenizer
+            self.generator = TextGenerator(loaded, max_seq_len=max_model_len, speculative=spec)
+        else:
+            self.engine = LLMEngine(loaded, EngineConfig(
+                block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching))
 
-    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; ``sampling_params`` is one for all, or one per prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a string or a list of strings")
         params = sampling_params or SamplingParams()
-        return [self._run(prompt, params, chat=False) for prompt in prompts]
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        if self.engine is None:
+            return [self._run_speculative(prompt, p, chat=False) for prompt, p in zip(prompts, per_prompt)]
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
+            outputs = run_to_completion(self.engine, list(prompts), per_prompt, progress)
+        return [self._result(prompt, out) for prompt, out in zip(prompts, outputs)]
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        return self._run(messages, sampling_params or SamplingParams(), chat=True)
+        params = sampling_params or SamplingParams()
+        if self.engine is None:
+            return self._run_speculative(messages, params, chat=True)
+        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        out = run_to_completion(self.engine, [ids], [params])[0]
+        return self._result(None, out)
 
-    def _run(self, prompt, params: SamplingParams, chat: bool) -> RequestOutput:
+    @staticmethod
+    def _result(prompt: str | None, out) -> RequestOutput:
+        completion = CompletionOutput(0, out.text, out.token_ids, out.finish_reason)
+        return RequestOutput(prompt, out.prompt_token_ids, [completion], out.metrics)
+
+    def _run_speculative(self, prompt, params: SamplingParams, chat: bool) -> RequestOutput:
         stream = self.generator.stream(prompt, params, chat=chat).consume()
         completion = CompletionOutput(0, stream.text, stream.token_ids, stream.metrics.finish_reason)
         return RequestOutput(prompt if isinstance(prompt, str) else None, stream.prompt_ids, [completion],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fastdraft.kernels.fused import decode_attention, sdpa
-from fastdraft.layers.kv_cache import AttentionMetadata
+from fastdraft.layers.kv_cache import AttentionMetadata, PagedAttentionMetadata
 
 # Most tokens appended to a cached prefix that attend through decode_attention's causal
 # multi-token call (speculative verification); more take the masked SDPA path.
@@ -19,6 +19,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     q: [batch, num_heads, num_tokens, head_dim]; k, v: [batch, num_kv_heads, context_len, head_dim].
     Returns [batch, num_heads, num_tokens, head_dim].
     """
+    if isinstance(meta, PagedAttentionMetadata):
+        return paged_attention(q, k, v, meta, scale)
     batch, num_heads, num_tokens, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -31,6 +33,38 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
         keys = meta.contiguous_start + num_tokens
         return _grouped_attention(q, k[:, :, :keys], v[:, :, :keys], None, scale)
     return _grouped_attention(q, k, v, meta.attn_mask, scale)
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: PagedAttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention of a flat batch over a paged cache, one sequence at a time.
+
+    q: [1, num_heads, num_tokens, head_dim]; k_blocks, v_blocks: [num_blocks, num_kv_heads,
+    block_size, head_dim]. Each sequence's keys are gathered from its blocks, and its new tokens
+    attend as they would in a contiguous cache: a whole prompt causally, a few tokens after
+    cached ones each over its own prefix (the arithmetic of a one-token decode step), a longer
+    chunk through a mask. Returns [1, num_heads, num_tokens, head_dim]."""
+    num_kv_heads, block_size = k_blocks.shape[1], k_blocks.shape[2]
+    outs = []
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        num_new, context_len = end - start, meta.context_lens[i]
+        table = meta.block_tables[i, :-(-context_len // block_size)]
+        # [num_blocks_i, kv_heads, block_size, dim] -> [1, kv_heads, context_len, dim]
+        k = k_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, k_blocks.shape[-1])[:, :context_len]
+        v = v_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, v_blocks.shape[-1])[:, :context_len]
+        q_seq = q[:, :, start:end]
+        if num_new == context_len and num_new > 1:
+            group = q.shape[1] // num_kv_heads
+            outs.append(sdpa(q_seq, k[None], v[None], is_causal=True, scale=scale, enable_gqa=group > 1))
+        elif num_new <= MAX_CAUSAL_DECODE_TOKENS:
+            outs.append(_grouped_attention(q_seq, k[None], v[None], None, scale))
+        else:
+            key_pos = torch.arange(context_len, device=q.device)
+            query_pos = key_pos[context_len - num_new:]
+            mask = (key_pos[None, :] <= query_pos[:, None]).view(1, 1, num_new, context_len)
+            outs.append(_grouped_attention(q_seq, k[None], v[None], mask, scale))
+    return torch.cat(outs, dim=2)
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

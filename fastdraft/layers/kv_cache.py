@@ -169,3 +169,86 @@ class KVCache:
         k_layer[slots, :, meta.positions] = k.transpose(1, 2)
         v_layer[slots, :, meta.positions] = v.transpose(1, 2)
         return k_layer[meta.slot_ids, :, :meta.context_len], v_layer[meta.slot_ids, :, :meta.context_len]
+
+
+class PagedAttentionMetadata:
+    """A flat batch: the new tokens of many sequences back to back, each sequence at its own
+    position, its keys and values in blocks of a :class:`PagedKVCache`.
+
+    * ``positions`` [num_tokens]: the absolute position of each token in its sequence.
+    * ``slot_mapping`` [num_tokens]: the cache slot each token's key and value go to
+      (block id * block_size + offset in the block).
+    * ``query_start_loc`` [num_seqs + 1]: sequence ``i``'s tokens are
+      ``query_start_loc[i]:query_start_loc[i + 1]``.
+    * ``context_lens`` [num_seqs]: the keys sequence ``i`` attends over after this step (its
+      cached tokens plus its new ones, which are the last).
+    * ``block_tables`` [num_seqs, max_blocks]: the blocks holding each sequence's positions.
+
+    The model sees the batch as one row (``batch_size`` 1), which is what keeps the linears at
+    one matmul per layer for every sequence of the step.
+    """
+
+    batch_size = 1
+    contiguous_start = None
+    is_prefill = False
+    attn_mask = None
+
+    def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: list[int],
+                 context_lens: list[int], block_tables: torch.Tensor) -> None:
+        if positions.dim() != 1 or slot_mapping.shape != positions.shape:
+            raise ValueError("positions and slot_mapping must both be [num_tokens]")
+        if len(query_start_loc) != len(context_lens) + 1 or query_start_loc[-1] != positions.shape[0]:
+            raise ValueError("query_start_loc must be [num_seqs + 1] and end at num_tokens")
+        self._flat_positions = positions
+        self.slot_mapping = slot_mapping
+        self.query_start_loc = query_start_loc
+        self.context_lens = context_lens
+        self.block_tables = block_tables
+        self.num_tokens = positions.shape[0]
+        self.num_seqs = len(context_lens)
+        self.device = positions.device
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._flat_positions.unsqueeze(0)  # [1, num_tokens], as the model's rotary reads it
+
+
+class PagedKVCache:
+    """Key/value blocks ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``,
+    shared by all sequences through their block tables (``engine/block_manager.py``)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        if min(num_layers, num_blocks, num_kv_heads, block_size, head_dim) <= 0:
+            raise ValueError("every dimension of the KV cache must be positive")
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = huge_page_zeros(shape, dtype, device)
+        self.v = huge_page_zeros(shape, dtype, device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim * element
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str = "cpu") -> "PagedKVCache":
+        return cls(config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim,
+                   dtype, device)
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values ``[1, num_kv_heads, num_tokens, head_dim]`` to their slots;
+        return this layer's blocks ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+        k_layer, v_layer = self.k[layer_idx], self.v[layer_idx]
+        blocks = meta.slot_mapping // self.block_size
+        offsets = meta.slot_mapping % self.block_size
+        # Advanced indices around a slice put the indexed dim first: [num_tokens, heads, dim].
+        k_layer[blocks, :, offsets] = k[0].transpose(0, 1)
+        v_layer[blocks, :, offsets] = v[0].transpose(0, 1)
+        return k_layer, v_layer

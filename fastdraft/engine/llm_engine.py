@@ -1,0 +1,244 @@
+"""The serving engine: requests in, one scheduled step at a time, text out.
+
+``add_request`` queues a prompt; each ``step`` asks the scheduler which sequences compute how
+many tokens, runs them as one flat batch (``ModelRunner``), records the sampled tokens, and
+returns what every request produced in that step: new text, and whether it finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.generate import GenerationMetrics
+from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.scheduler import Scheduler, SchedulerConfig
+from fastdraft.engine.sequence import Sequence
+from fastdraft.layers.kv_cache import PagedKVCache
+from fastdraft.models.loader import LoadedModel
+from fastdraft.sampling_params import SamplingParams
+from fastdraft.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+# Share of the memory available at start-up the KV cache takes when no size is given.
+KV_CACHE_MEMORY_FRACTION = 0.25
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    """How the engine sizes its cache and its steps; checked with ``ValueError``.
+
+    ``kv_cache_memory`` (GiB) sizes the block pool; by default it is ``KV_CACHE_MEMORY_FRACTION``
+    of the available memory, capped at what ``max_num_seqs`` sequences of ``max_model_len``
+    tokens could use. ``num_blocks`` sets the pool's size directly instead."""
+
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_model_len < 1:
+            raise ValueError("block_size and max_model_len must be positive")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
+
+    def pool_blocks(self, bytes_per_block: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_memory is not None:
+            budget = int(self.kv_cache_memory * (1 << 30))
+        else:
+            budget = int(available_memory_bytes() * KV_CACHE_MEMORY_FRACTION)
+            budget = min(budget, self.max_num_seqs * self.max_model_len * bytes_per_block // self.block_size)
+        num = budget // bytes_per_block
+        if num < 1:
+            raise ValueError(f"kv_cache_memory holds no block of {bytes_per_block} bytes")
+        return num
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far; ``new_text`` and ``new_token_ids`` are this step's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    is_finished: bool = False
+    finish_reason: str | None = None
+    metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
+
+
+class _Request:
+    def __init__(self, seq: Sequence, prompt: str | None, detokenizer: IncrementalDetokenizer) -> None:
+        self.seq = seq
+        self.output = RequestOutput(seq.request_id, prompt, list(seq.prompt_token_ids))
+        self.output.metrics.num_prompt_tokens = seq.num_prompt_tokens
+        self.detokenizer = detokenizer
+        self.stop = StopStringMatcher(list(seq.params.stop))
+        self.arrival = time.perf_counter()
+        self.last_token_time = self.arrival
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        model = loaded.model
+        self.max_model_len = min(self.config.max_model_len, loaded.config.max_position_embeddings)
+        num_blocks = self.config.pool_blocks(PagedKVCache.bytes_per_block(loaded.config, self.config.block_size,
+                                                                          model.dtype))
+        self.kv_cache = PagedKVCache.from_config(loaded.config, num_blocks, self.config.block_size, model.dtype,
+                                                 model.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.config.block_size,
+                    self.kv_cache.num_bytes / (1 << 30))
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                                   self.config.enable_chunked_prefill), self.block_manager)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        self.eos_token_ids = set(loaded.config.eos_token_ids or [])
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue ``prompt`` (text, or token ids); returns its request id. ``ValueError`` for a
+        request that cannot run: empty, longer than ``max_model_len``, a duplicate id."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab_size = self.loaded.config.vocab_size
+            if not all(0 <= t < vocab_size for t in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size}), the model's vocabulary")
+            prompt_ids, text = list(prompt), None
+        else:
+            raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the maximum model length {self.max_model_len}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(prompt_ids, params, request_id=request_id)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(seq, text, IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        request = self._requests.pop(request_id, None)
+        if seq is None or request is None:
+            return False
+        self.runner.release(seq)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; the outputs of the requests that produced a token in it."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("no request could be scheduled: the KV cache is too small for the next one")
+            return []
+        sampled = self.runner.execute(output)
+        self.scheduler.update(output, sampled, self.eos_token_ids)
+        now = time.perf_counter()
+        results = []
+        for seq in output.seqs:
+            if seq.seq_id not in sampled:
+                continue
+            request = self._requests[seq.request_id]
+            results.append(self._record(request, sampled[seq.seq_id], now))
+        return results
+
+    def _record(self, request: _Request, token: int, now: float) -> RequestOutput:
+        seq, out = request.seq, request.output
+        metrics = out.metrics
+        if metrics.num_generated_tokens == 0:
+            metrics.ttft_s = now - request.arrival
+        else:
+            metrics.token_latencies_s.append(now - request.last_token_time)
+        request.last_token_time = now
+        metrics.num_generated_tokens += 1
+        out.token_ids.append(token)
+        out.new_token_ids = [token]
+        is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
+        piece = "" if is_eos else request.stop.feed(request.detokenizer.add(token))
+        if request.stop.is_stopped and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            piece += request.stop.flush() if not request.stop.is_stopped else ""
+            out.is_finished, out.finish_reason = True, seq.finish_reason
+            metrics.finish_reason = seq.finish_reason
+            self.runner.release(seq)
+            del self._requests[seq.request_id]
+        out.new_text = piece
+        out.text += piece
+        return out
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Add one request and step the engine until it finishes, yielding its outputs as they
+        come (other queued requests advance in the same steps)."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.is_finished:
+                        return
+
+
+@torch.inference_mode()
+def run_to_completion(engine: LLMEngine, prompts: list[str | list[int]], params: list[SamplingParams],
+                      progress=None) -> list[RequestOutput]:
+    """Queue every prompt, step until all are done; outputs in prompt order. ``progress`` (a
+    tqdm bar, say) is advanced once per finished request."""
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    finished: dict[str, RequestOutput] = {}
+    while len(finished) < len(ids):
+        for out in engine.step():
+            if out.is_finished:
+                finished[out.request_id] = out
+                if progress is not None:
+                    progress.update(1)
+    return [finished[i] for i in ids]

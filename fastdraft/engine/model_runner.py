@@ -1,0 +1,82 @@
+"""Runs one scheduled step: a flat batch through the model, then a token for each sequence
+that reached the end of its tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.generate import make_generator
+from fastdraft.engine.scheduler import SchedulerOutput
+from fastdraft.engine.sequence import Sequence
+from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.sampler import sample
+from fastdraft.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    """Owns the paged KV cache and each request's random generator.
+
+    ``execute`` builds the step's flat inputs and metadata from the block tables, runs the
+    model once over every scheduled token, computes logits only for the rows that sample
+    (a sequence's last token), and samples each of those rows with its own request's
+    parameters and generator, so a seeded request draws the same tokens whatever else runs."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager) -> None:
+        if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
+            raise ValueError("the KV cache and the block manager must agree on block size and count")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence's generator."""
+        self._generators.pop(seq.seq_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.seq_id not in self._generators:
+            self._generators[seq.seq_id] = make_generator(seq.params.seed, self.model.device)
+        return self._generators[seq.seq_id]
+
+    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
+        """(input ids [num_tokens], metadata, the flat row of each sampling sequence's last token)."""
+        block_size = self.block_manager.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq, num in zip(output.seqs, output.num_scheduled_tokens):
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids
+            input_ids.extend(tokens[start:start + num])
+            for position in range(start, start + num):
+                positions.append(position)
+                slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+            query_start_loc.append(query_start_loc[-1] + num)
+            context_lens.append(start + num)
+            if start + num == seq.num_tokens:
+                sample_rows.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq in output.seqs)
+        tables = torch.zeros(len(output.seqs), max_blocks, dtype=torch.long)
+        for i, seq in enumerate(output.seqs):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        device = self.model.device
+        meta = PagedAttentionMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
+                                      query_start_loc, context_lens, tables.to(device))
+        return torch.tensor(input_ids, device=device), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[int, int]:
+        """Run ``output``'s step; the sampled token of each sequence that sampled, by ``seq_id``."""
+        input_ids, meta, sample_rows = self.prepare(output)
+        hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
+        samplers = [seq for seq, num in zip(output.seqs, output.num_scheduled_tokens)
+                    if seq.num_computed_tokens + num == seq.num_tokens]
+        return {seq.seq_id: int(sample(logits[i:i + 1], seq.params, self._generator(seq)))
+                for i, seq in enumerate(samplers)}

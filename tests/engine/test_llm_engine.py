@@ -1,0 +1,142 @@
+"""The serving engine end to end on tiny models: batched, chunked, preempted and prefix-cached
+runs give what one request at a time gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+from fastdraft.engine.loader import load_model
+from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.llm import LLM
+from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quantizer import quantize_model
+from fastdraft.sampling_params import SamplingParams
+
+PROMPTS = ["def add(a, b):", "class Model:\n    def __init__(self):", "import os\n", "x = 1\ny = 2\n" * 6,
+           "for i in range(10):\n    print(i)\n", "return"]
+
+
+def single_runs(loaded, prompts, params_list):
+    generator = TextGenerator(loaded, max_seq_len=512)
+    return [generator.generate(p, params).token_ids for p, params in zip(prompts, params_list)]
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def loaded(request, tiny_models):
+    return load_model(tiny_models.dir(request.param), dtype="fp32")
+
+
+@pytest.mark.parametrize("engine_config", [
+    EngineConfig(num_blocks=256, block_size=16),  # everything at once
+    EngineConfig(num_blocks=256, block_size=4, max_num_batched_tokens=8),  # chunked prefill
+    EngineConfig(num_blocks=24, block_size=4, max_num_batched_tokens=32),  # preemption
+], ids=["batched", "chunked", "preempted"])
+def test_engine_matches_one_request_at_a_time(loaded, engine_config):
+    # Seeded sampling: every request draws from its own generator, so the tokens match the
+    # single-request path's only if the engine's logits and draws do.
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+    expected = single_runs(loaded, PROMPTS, params)
+    engine = LLMEngine(loaded, engine_config)
+    outputs = run_to_completion(engine, PROMPTS, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    if engine_config.num_blocks == 24:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine_config.num_blocks  # every block returned
+
+
+def test_shared_prefixes_hit_the_cache_and_change_nothing(loaded):
+    prefix = "def function_with_a_long_shared_prefix(argument_one, argument_two):\n    "
+    prompts = [prefix + "return 1", prefix + "pass", prefix + "x = 2"]
+    params = [SamplingParams(max_new_tokens=6, temperature=0.8, seed=7, ignore_eos=True)] * 3
+    expected = single_runs(loaded, prompts, params)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=128, block_size=4, max_num_seqs=1))
+    assert [o.token_ids for o in run_to_completion(engine, prompts, params)] == expected
+    assert engine.block_manager.num_prefix_hits > 0
+
+
+@torch.inference_mode()
+def test_int4_logits_do_not_depend_on_the_batch(tiny_models):
+    """Batch invariance with row-invariant INT4 kernels: a sequence's logits, bit for bit, the
+    same alone and in a flat batch with others."""
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    quantize_model(loaded.model, QuantConfig(method="rtn", group_size=32), show_progress=False)
+    model, block_size = loaded.model, 4
+    seqs = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
+
+    def logits_of(batch: list[list[int]]) -> list[torch.Tensor]:
+        cache = PagedKVCache.from_config(loaded.config, 64, block_size, dtype=torch.float32)
+        ids, positions, slots, starts, lens, tables, next_block = [], [], [], [0], [], [], 0
+        for tokens in batch:
+            blocks = list(range(next_block, next_block + -(-len(tokens) // block_size)))
+            next_block += len(blocks)
+            ids += tokens
+            positions += range(len(tokens))
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(len(tokens))]
+            starts.append(starts[-1] + len(tokens))
+            lens.append(len(tokens))
+            tables.append(blocks + [0] * (16 - len(blocks)))
+        meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens, torch.tensor(tables))
+        hidden = model(torch.tensor([ids]), cache, meta)[0]
+        return [model.compute_logits(hidden[s:e]) for s, e in zip(starts, starts[1:])]
+
+    alone = logits_of([seqs[0]])[0]
+    together = logits_of(seqs)[0]
+    assert torch.equal(alone, together)
+
+
+def test_llm_generate_batches_and_keeps_prompt_order(tiny_models):
+    llm = LLM(str(tiny_models.dir("llama")), dtype="fp32", max_num_seqs=4, kv_cache_memory=0.01)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    loaded = load_model(tiny_models.dir("llama"), dtype="fp32")
+    assert [o.outputs[0].token_ids for o in outputs] == single_runs(loaded, PROMPTS, [params] * len(PROMPTS))
+    per_prompt = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 3, 4, 5, 6)]
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, per_prompt, use_tqdm=False)] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(PROMPTS, per_prompt[:2], use_tqdm=False)
+
+
+def test_stop_strings_eos_and_abort(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
+    sampled = dict(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    free_run = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled)])[0]
+    assert len(free_run.text) > 2
+    stop = free_run.text[1:3]
+    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, stop=[stop])])[0]
+    assert out.finish_reason == "stop" and stop not in out.text and free_run.text.startswith(out.text)
+    first = free_run.token_ids[0]
+    engine.eos_token_ids = {first}
+    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)])[0]
+    assert out.finish_reason == "stop" and out.token_ids == [first] and out.text == ""
+    request_id = engine.add_request("def add(a, b):", SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.abort_request(request_id) and not engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_bad_requests_are_refused(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=8, block_size=4, max_model_len=64))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="maximum model length"):
+        engine.add_request("x", SamplingParams(max_new_tokens=100))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([10**9])
+    short = SamplingParams(max_new_tokens=4)
+    engine.add_request("x", short, request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("y", short, request_id="a")
+    with pytest.raises(ValueError, match="cache blocks"):
+        engine.add_request("x " * 20, SamplingParams(max_new_tokens=20))  # more than the 32-slot pool
+    with pytest.raises(ValueError):
+        EngineConfig(kv_cache_memory=0)
+    with pytest.raises(ValueError):
+        EngineConfig(max_num_seqs=0)
