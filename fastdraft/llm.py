@@ -83,6 +83,8 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         params = sampling_params or SamplingParams()
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("the prompt is empty (no chat messages)")
         if self.engine is None:
             return self._run_speculative(messages, params, chat=True)
         ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)

@@ -58,7 +58,7 @@ def test_bad_input_is_a_value_error(tiny_models):
         with pytest.raises(ValueError, match="prompts"):
             llm.generate(prompts)
     with pytest.raises(ValueError, match="a prompt is"):
-        llm.generator.stream(42)
+        llm.engine.add_request(42)
     with pytest.raises(ValueError, match="empty"):
         llm.chat([])
     assert fastdraft.SpeculativeConfig().draft == "self"

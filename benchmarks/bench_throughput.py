@@ -1,0 +1,170 @@
+"""Offline throughput: N prompts at once through the serving engine, against one request at a
+time and against llama.cpp's ``llama-batched-bench``.
+
+Every prompt has exactly ``--prompt-tokens`` tokens (slices of CPython's ``os.py``, different
+for each sequence) and produces exactly ``--new-tokens`` tokens (EOS ignored). As
+``llama-batched-bench`` does, it reports per parallel count N: prefill tokens/s (every prompt's
+tokens over the time until the last sequence has its first token), generation tokens/s (tokens
+generated after that, over the time until all N sequences are done), end-to-end tokens/s, and
+the process's peak RSS.
+
+    python benchmarks/bench_throughput.py --model qwen2.5-coder-0.5b-instruct --num-seqs 1,4,16,32
+    python benchmarks/bench_throughput.py --llama-batched-bench ./llama.cpp/build/bin/llama-batched-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from fastdraft.engine.allocator import tune_malloc
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+from fastdraft.engine.loader import load_model
+from fastdraft.fileio import write_json
+from fastdraft.models.registry import KNOWN_MODELS, original_gguf
+from fastdraft.quant.config import parse_quant_spec
+from fastdraft.quant.quantizer import quantize_model
+from fastdraft.sampling_params import SamplingParams
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
+    ids = tokenizer.encode(Path(os.__file__).read_text(encoding="utf-8"), add_special_tokens=False)
+    if len(ids) < num + length:
+        raise SystemExit(f"{os.__file__} is too short for {num} prompts of {length} tokens")
+    stride = max(1, (len(ids) - length) // num)
+    return [ids[i * stride:i * stride + length] for i in range(num)]
+
+
+def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_tokens: int) -> dict:
+    num = len(prompts)
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=num, max_num_batched_tokens=max_batched_tokens,
+                                            max_model_len=len(prompts[0]) + new_tokens + 1,
+                                            enable_prefix_caching=False))
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    counts: dict[str, int] = {}
+    prefilled_at, generated_after = None, 0
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            counts[out.request_id] = counts.get(out.request_id, 0) + 1
+            if prefilled_at is not None:
+                generated_after += 1
+        if prefilled_at is None and len(counts) == num:
+            prefilled_at = time.perf_counter()
+    end = time.perf_counter()
+    prompt_tokens = num * len(prompts[0])
+    return {"num_seqs": num, "prefill_tok_s": prompt_tokens / (prefilled_at - start),
+            "gen_tok_s": generated_after / (end - prefilled_at) if end > prefilled_at else 0.0,
+            "total_tok_s": (prompt_tokens + num * new_tokens) / (end - start), "seconds": end - start,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def run_sequential(loaded, prompts: list[list[int]], new_tokens: int) -> dict:
+    generator = TextGenerator(loaded, max_seq_len=len(prompts[0]) + new_tokens + 1)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    prefill_s = decode_s = 0.0
+    start = time.perf_counter()
+    for p in prompts:
+        metrics = generator.generate(p, params).metrics
+        prefill_s += metrics.ttft_s
+        decode_s += sum(metrics.token_latencies_s)
+    end = time.perf_counter()
+    prompt_tokens = len(prompts) * len(prompts[0])
+    return {"num_seqs": 1, "prefill_tok_s": prompt_tokens / prefill_s,
+            "gen_tok_s": len(prompts) * (new_tokens - 1) / decode_s,
+            "total_tok_s": (prompt_tokens + len(prompts) * new_tokens) / (end - start), "seconds": end - start,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def run_llama_batched_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> list[dict]:
+    ctx = max(args.num_seqs) * (args.prompt_tokens + args.new_tokens) + 256
+    cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_tokens),
+           "-ntg", str(args.new_tokens), "-npl", ",".join(map(str, args.num_seqs)), "-t", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = []
+    # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]):
+            rows.append({"num_seqs": int(cells[2]), "prefill_tok_s": float(cells[5]), "gen_tok_s": float(cells[7]),
+                         "total_tok_s": float(cells[9])})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", choices=list(KNOWN_MODELS))
+    parser.add_argument("--quant", default="method=rtn,group_size=128",
+                        help="fastdraft's weights: a --quant spec, method=gguf for the file's own blocks, or none")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--num-seqs", default="1,4,16,32,64", help="parallel counts, comma-separated")
+    parser.add_argument("--sequential-requests", type=int, default=4,
+                        help="requests run one at a time for the sequential baseline (0: skip it)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--llama-batched-bench", type=Path, default=None,
+                        help="path to llama.cpp's llama-batched-bench binary (skipped without it)")
+    parser.add_argument("--json", type=Path, default=Path("bench_results/throughput.json"))
+    args = parser.parse_args()
+    try:
+        args.num_seqs = [int(n) for n in args.num_seqs.split(",")]
+    except ValueError:
+        parser.error("--num-seqs takes a comma-separated list of integers")
+    if min(args.num_seqs) < 1 or args.prompt_tokens < 1 or args.new_tokens < 2:
+        parser.error("need --num-seqs >= 1, --prompt-tokens >= 1 and --new-tokens >= 2")
+    if args.llama_batched_bench is not None and not args.llama_batched_bench.is_file():
+        parser.error(f"--llama-batched-bench: {args.llama_batched_bench} does not exist")
+    config = None if args.quant == "none" else parse_quant_spec(args.quant)
+    torch.set_num_threads(args.threads)
+    tune_malloc()
+
+    loaded = load_model(args.model, dtype=args.dtype, keep_gguf_quant=config is not None and config.is_gguf_native)
+    if config is not None and not config.is_gguf_native:
+        quantize_model(loaded.model, config, show_progress=False)
+    label = "bf16" if config is None else config.label
+    prompts = make_prompts(loaded.tokenizer, max(args.num_seqs + [args.sequential_requests]), args.prompt_tokens)
+    run_batched(loaded, prompts[:2], 4, args.max_num_batched_tokens)  # warm-up: kernels built, caches touched
+    results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                     "fastdraft": label, "rows": []}
+    if args.sequential_requests:
+        row = {"system": f"fastdraft {label}, one request at a time",
+               **run_sequential(loaded, prompts[:args.sequential_requests], args.new_tokens)}
+        results["rows"].append(row)
+    for num in args.num_seqs:
+        results["rows"].append({"system": f"fastdraft {label}, batched",
+                                **run_batched(loaded, prompts[:num], args.new_tokens, args.max_num_batched_tokens)})
+        write_json(args.json, results)
+    if args.llama_batched_bench is not None:
+        for row in run_llama_batched_bench(args.llama_batched_bench, original_gguf(args.model), args):
+            results["rows"].append({"system": "llama-batched-bench (original GGUF)", **row})
+    write_json(args.json, results)
+
+    print(f"\n### {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
+          f"{args.threads} threads\n")
+    print("| system | N | prefill tok/s | generation tok/s | total tok/s | peak RSS MB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else ""
+        print(f"| {r['system']} | {r['num_seqs']} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | "
+              f"{r['total_tok_s']:.1f} | {rss} |")
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
