@@ -6,7 +6,8 @@ for each sequence) and produces exactly ``--new-tokens`` tokens (EOS ignored). A
 ``llama-batched-bench`` does, it reports per parallel count N: prefill tokens/s (every prompt's
 tokens over the time until the last sequence has its first token), generation tokens/s (tokens
 generated after that, over the time until all N sequences are done), end-to-end tokens/s, and
-the process's peak RSS.
+the process's peak RSS so far (the runs go from the baseline to the largest N, so each row's
+figure covers that run and those before it).
 
     python benchmarks/bench_throughput.py --model qwen2.5-coder-0.5b-instruct --num-seqs 1,4,16,32
     python benchmarks/bench_throughput.py --llama-batched-bench ./llama.cpp/build/bin/llama-batched-bench
@@ -157,7 +158,7 @@ def main() -> None:
 
     print(f"\n### {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
           f"{args.threads} threads\n")
-    print("| system | N | prefill tok/s | generation tok/s | total tok/s | peak RSS MB |")
+    print("| system | N | prefill tok/s | generation tok/s | total tok/s | peak RSS so far, MB |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results["rows"]:
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else ""

@@ -85,12 +85,14 @@ class BlockManager:
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[Block]:
         """The cached blocks that hold ``seq``'s leading full blocks, in order (a preempted
-        sequence finds its generated tokens too)."""
+        sequence finds its generated tokens too). The block of the last token is never taken
+        from the cache: that token is computed again for its logits, and its key and value go
+        to a block this sequence owns, not into one other sequences are reading."""
         if not self.enable_prefix_caching:
             return []
         found, prev = [], _NO_HASH
         tokens = seq.token_ids
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+        for start in range(0, (seq.num_tokens - 1) // self.block_size * self.block_size, self.block_size):
             prev = block_hash(prev, tokens[start:start + self.block_size])
             block_id = self._cached.get(prev)
             if block_id is None:
@@ -98,18 +100,16 @@ class BlockManager:
             found.append(self.blocks[block_id])
         return found
 
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens the prefix cache holds now."""
+        return len(self.cached_prefix_blocks(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``allocate(seq, num_new_tokens)`` would succeed now."""
         cached = self.cached_prefix_blocks(seq)
         num_reused_free = sum(b.ref_count == 0 for b in cached)
-        num_computed = self._num_computed_after_hits(seq, cached)
-        needed = self.num_blocks_for(num_computed + num_new_tokens) - len(cached)
+        needed = self.num_blocks_for(len(cached) * self.block_size + num_new_tokens) - len(cached)
         return max(needed, 0) + num_reused_free <= self.num_free_blocks
-
-    def _num_computed_after_hits(self, seq: Sequence, cached: list[Block]) -> int:
-        # The last token is always computed: its logits pick the next one. (When every block
-        # was a hit, its key and value are written again, the same values, into a shared block.)
-        return min(len(cached) * self.block_size, seq.num_tokens - 1)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give a waiting ``seq`` its blocks: cached prefix blocks first (counted as computed),
@@ -117,7 +117,7 @@ class BlockManager:
         if seq.block_table:
             raise ValueError(f"sequence {seq.request_id} already holds blocks")
         cached = self.cached_prefix_blocks(seq)
-        seq.num_computed_tokens = self._num_computed_after_hits(seq, cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += seq.num_computed_tokens

@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -68,15 +69,19 @@ class EngineConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len: a "
+                             "sequence recomputed after a preemption runs in one step")
 
-    def pool_blocks(self, bytes_per_block: int) -> int:
+    def pool_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
+        """Blocks in the pool; ``max_model_len``: the longest sequence the model allows here."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_memory is not None:
             budget = int(self.kv_cache_memory * (1 << 30))
         else:
             budget = int(available_memory_bytes() * KV_CACHE_MEMORY_FRACTION)
-            budget = min(budget, self.max_num_seqs * self.max_model_len * bytes_per_block // self.block_size)
+            budget = min(budget, self.max_num_seqs * -(-max_model_len // self.block_size) * bytes_per_block)
         num = budget // bytes_per_block
         if num < 1:
             raise ValueError(f"kv_cache_memory holds no block of {bytes_per_block} bytes")
@@ -120,7 +125,7 @@ class LLMEngine:
         model = loaded.model
         self.max_model_len = min(self.config.max_model_len, loaded.config.max_position_embeddings)
         num_blocks = self.config.pool_blocks(PagedKVCache.bytes_per_block(loaded.config, self.config.block_size,
-                                                                          model.dtype))
+                                                                          model.dtype), self.max_model_len)
         self.kv_cache = PagedKVCache.from_config(loaded.config, num_blocks, self.config.block_size, model.dtype,
                                                  model.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.config.block_size,
@@ -131,6 +136,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.eos_token_ids = set(loaded.config.eos_token_ids or [])
         self._requests: dict[str, _Request] = {}
+        self._streams: dict[str, deque[RequestOutput]] = {}  # outputs waiting for generate()'s reader
         self._ids = itertools.count()
 
     @property
@@ -156,7 +162,10 @@ class LLMEngine:
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                              f"the maximum model length {self.max_model_len}")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_ids, params, request_id=request_id)
@@ -187,8 +196,10 @@ class LLMEngine:
         for seq in output.seqs:
             if seq.seq_id not in sampled:
                 continue
-            request = self._requests[seq.request_id]
-            results.append(self._record(request, sampled[seq.seq_id], now))
+            out = self._record(self._requests[seq.request_id], sampled[seq.seq_id], now)
+            results.append(out)
+            if out.request_id in self._streams:
+                self._streams[out.request_id].append(out)
         return results
 
     def _record(self, request: _Request, token: int, now: float) -> RequestOutput:
@@ -204,8 +215,11 @@ class LLMEngine:
         out.new_token_ids = [token]
         is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
         piece = "" if is_eos else request.stop.feed(request.detokenizer.add(token))
-        if request.stop.is_stopped and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")
+        if request.stop.is_stopped:
+            if seq.is_finished:
+                seq.finish_reason = "stop"  # the text ends at the stop string, whatever else ended it
+            else:
+                self.scheduler.finish(seq, "stop")
         if seq.is_finished:
             piece += request.stop.flush() if not request.stop.is_stopped else ""
             out.is_finished, out.finish_reason = True, seq.finish_reason
@@ -214,18 +228,28 @@ class LLMEngine:
             del self._requests[seq.request_id]
         out.new_text = piece
         out.text += piece
-        return out
+        # A snapshot: the request's record keeps growing after this step.
+        return replace(out, token_ids=list(out.token_ids), new_token_ids=list(out.new_token_ids),
+                       metrics=replace(metrics, token_latencies_s=list(metrics.token_latencies_s)))
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Add one request and step the engine until it finishes, yielding its outputs as they
-        come (other queued requests advance in the same steps)."""
+        """Add one request and yield its outputs as they come, stepping the engine while none is
+        waiting; other requests advance in the same steps, and several streams may be read in
+        turn. Ends when the request finishes or is aborted."""
         request_id = self.add_request(prompt, params)
-        while True:
-            for out in self.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.is_finished:
-                        return
+        queue = self._streams[request_id] = deque()
+        try:
+            while True:
+                while not queue:
+                    if request_id not in self._requests:
+                        return  # aborted
+                    self.step()
+                out = queue.popleft()
+                yield out
+                if out.is_finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
 
 
 @torch.inference_mode()
@@ -233,7 +257,14 @@ def run_to_completion(engine: LLMEngine, prompts: list[str | list[int]], params:
                       progress=None) -> list[RequestOutput]:
     """Queue every prompt, step until all are done; outputs in prompt order. ``progress`` (a
     tqdm bar, say) is advanced once per finished request."""
-    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    ids: list[str] = []
+    try:
+        for prompt, p in zip(prompts, params):
+            ids.append(engine.add_request(prompt, p))
+    except ValueError:
+        for request_id in ids:  # nothing of a refused batch stays queued
+            engine.abort_request(request_id)
+        raise
     finished: dict[str, RequestOutput] = {}
     while len(finished) < len(ids):
         for out in engine.step():

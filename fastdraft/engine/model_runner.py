@@ -20,7 +20,8 @@ class ModelRunner:
     ``execute`` builds the step's flat inputs and metadata from the block tables, runs the
     model once over every scheduled token, computes logits only for the rows that sample
     (a sequence's last token), and samples each of those rows with its own request's
-    parameters and generator, so a seeded request draws the same tokens whatever else runs."""
+    parameters and generator: a seeded request's draws never depend on what else runs (its
+    logits do not either where every kernel is row-invariant)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager) -> None:
         if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
@@ -39,26 +40,29 @@ class ModelRunner:
             self._generators[seq.seq_id] = make_generator(seq.params.seed, self.model.device)
         return self._generators[seq.seq_id]
 
-    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
-        """(input ids [num_tokens], metadata, the flat row of each sampling sequence's last token)."""
-        block_size = self.block_manager.block_size
+    def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int],
+                                                        list[Sequence]]:
+        """(input ids [num_tokens], metadata, the flat row of each sampling sequence's last token,
+        those sequences)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
+        samplers: list[Sequence] = []
         for seq, num in zip(output.seqs, output.num_scheduled_tokens):
             start = seq.num_computed_tokens
             tokens = seq.token_ids
             input_ids.extend(tokens[start:start + num])
             for position in range(start, start + num):
                 positions.append(position)
-                slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+                slots.append(self.block_manager.slot(seq, position))
             query_start_loc.append(query_start_loc[-1] + num)
             context_lens.append(start + num)
             if start + num == seq.num_tokens:
                 sample_rows.append(query_start_loc[-1] - 1)
+                samplers.append(seq)
         max_blocks = max(len(seq.block_table) for seq in output.seqs)
         tables = torch.zeros(len(output.seqs), max_blocks, dtype=torch.long)
         for i, seq in enumerate(output.seqs):
@@ -66,17 +70,15 @@ class ModelRunner:
         device = self.model.device
         meta = PagedAttentionMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
                                       query_start_loc, context_lens, tables.to(device))
-        return torch.tensor(input_ids, device=device), meta, sample_rows
+        return torch.tensor(input_ids, device=device), meta, sample_rows, samplers
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[int, int]:
         """Run ``output``'s step; the sampled token of each sequence that sampled, by ``seq_id``."""
-        input_ids, meta, sample_rows = self.prepare(output)
+        input_ids, meta, sample_rows, samplers = self.prepare(output)
         hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
-        samplers = [seq for seq, num in zip(output.seqs, output.num_scheduled_tokens)
-                    if seq.num_computed_tokens + num == seq.num_tokens]
         return {seq.seq_id: int(sample(logits[i:i + 1], seq.params, self._generator(seq)))
                 for i, seq in enumerate(samplers)}

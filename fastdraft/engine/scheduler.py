@@ -65,10 +65,16 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; ``ValueError`` if it could never fit the cache, even alone."""
-        needed = self.block_manager.num_blocks_for(seq.num_prompt_tokens + seq.params.max_new_tokens)
+        max_tokens = seq.num_prompt_tokens + seq.params.max_new_tokens
+        needed = self.block_manager.num_blocks_for(max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"request {seq.request_id} needs {needed} cache blocks for its prompt and "
                              f"max_new_tokens; the cache has {self.block_manager.num_blocks}")
+        if not self.config.enable_chunked_prefill and max_tokens - 1 > self.config.max_num_batched_tokens:
+            # Without chunks a sequence, or its recomputation after a preemption, runs in one step.
+            raise ValueError(f"request {seq.request_id} may reach {max_tokens - 1} tokens to compute in one step; "
+                             f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and chunked "
+                             "prefill is off")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -120,10 +126,11 @@ class Scheduler:
             output.num_scheduled_tokens.append(num)
             budget -= num
             index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # After a preemption the pool is short: admitting waiting sequences now would only
+        # take blocks back from the running ones (a victim could even return at once).
+        while not output.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = len(self.block_manager.cached_prefix_blocks(seq)) * self.block_manager.block_size
-            uncomputed = seq.num_tokens - min(cached, seq.num_tokens - 1)
+            uncomputed = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
             num = min(uncomputed, budget)
             if not self.config.enable_chunked_prefill and uncomputed > budget:
                 break

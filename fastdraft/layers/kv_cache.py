@@ -1,13 +1,16 @@
-"""A pre-allocated KV cache with one row ("slot") per sequence.
+"""KV caches: a contiguous one with one row ("slot") per sequence, and a paged one of blocks.
 
 Buffers are allocated once, sized from the model config and a maximum length, and never
 reallocated per token. Each slot holds one sequence; its length can be rolled back with
 :meth:`KVCache.truncate`, which is all speculative decoding needs to discard rejected tokens
 (stale entries past the length are simply overwritten later).
 
-Every forward pass receives an :class:`AttentionMetadata` that says, for each sequence of the
-batch, which slot it lives in and the absolute position of each of its new tokens. Sequences
-in one batch may therefore sit at different positions.
+Every forward pass over the contiguous cache receives an :class:`AttentionMetadata` that says,
+for each sequence of the batch, which slot it lives in and the absolute position of each of its
+new tokens. Sequences in one batch may therefore sit at different positions.
+
+The serving engine's :class:`PagedKVCache` is a pool of fixed-size blocks shared through
+per-sequence block tables; its passes carry a flat :class:`PagedAttentionMetadata`.
 """
 
 from __future__ import annotations

@@ -92,7 +92,10 @@ def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_
         q[is_constant] = 0
         q = q.reshape(scale.shape[0], -1)
         scale = np.where(is_constant, np.where(offset == 0, 1.0, np.abs(offset)), scale)
+    scale = scale.astype(np.float16).astype(np.float32)  # the zero point is taken against the stored scale
     zero = -offset / scale
+    if not np.isfinite(zero.astype(np.float16)).all():
+        raise ValueError("a zero point of this GGUF tensor does not fit float16")
     return QuantizedWeight(pack_int4(_tensor(q, torch.uint8)), _tensor(scale, SCALE_DTYPE),
                            _tensor(zero, SCALE_DTYPE), 4, GROUP, in_features)
 

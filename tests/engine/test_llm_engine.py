@@ -121,6 +121,30 @@ def test_stop_strings_eos_and_abort(tiny_models):
     assert engine.block_manager.num_free_blocks == 64
 
 
+def test_streams_read_in_turn_see_every_output(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 6)]
+    a, b = engine.generate("def add(a, b):", params[0]), engine.generate("import os", params[1])
+    pieces_a, pieces_b = [next(a)], [next(b)]
+    pieces_a += list(a)
+    pieces_b += list(b)
+    assert [len(o.token_ids) for o in pieces_a] == [1, 2, 3] and pieces_a[-1].is_finished
+    assert [len(o.token_ids) for o in pieces_b] == [1, 2, 3, 4, 5, 6] and pieces_b[-1].is_finished
+    assert "".join(o.new_text for o in pieces_b) == pieces_b[-1].text
+    assert not engine.has_unfinished_requests
+
+
+def test_a_refused_batch_leaves_nothing_queued(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    with pytest.raises(ValueError, match="maximum model length"):
+        run_to_completion(engine, ["ok", "x " * 80], [SamplingParams(max_new_tokens=4)] * 2)
+    assert not engine.has_unfinished_requests
+    engine.add_request("x", SamplingParams(max_new_tokens=2), request_id="req-0")
+    assert engine.add_request("y", SamplingParams(max_new_tokens=2)) != "req-0"  # generated ids avoid taken ones
+
+
 def test_bad_requests_are_refused(tiny_models):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=8, block_size=4, max_model_len=64))
@@ -140,3 +164,5 @@ def test_bad_requests_are_refused(tiny_models):
         EngineConfig(kv_cache_memory=0)
     with pytest.raises(ValueError):
         EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=4096)

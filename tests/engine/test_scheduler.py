@@ -117,18 +117,18 @@ def test_prefix_hits_share_blocks_and_count_references():
     assert all(b.ref_count == 0 for b in bm.blocks)
 
 
-def test_a_fully_cached_prompt_still_computes_its_last_token():
+def test_a_fully_cached_prompt_computes_its_last_token_in_a_block_of_its_own():
     bm = BlockManager(num_blocks=8, block_size=4)
     first = seq_of([1, 2, 3, 4, 5, 6, 7, 8])
     bm.allocate(first, 8)
     first.num_computed_tokens = 8
     bm.commit(first)
-    table = list(first.block_table)
-    bm.free(first)
     again = seq_of([1, 2, 3, 4, 5, 6, 7, 8])
-    bm.allocate(again, 1)
-    assert again.block_table == table  # both blocks found, none added
-    assert again.num_computed_tokens == 7 and again.num_uncomputed_tokens == 1
+    bm.allocate(again, 4)
+    # The second block holds the last token, which is computed again for its logits: it must
+    # not be written into the block the first sequence is reading.
+    assert again.block_table[0] == first.block_table[0] and again.block_table[1] != first.block_table[1]
+    assert again.num_computed_tokens == 4 and again.num_uncomputed_tokens == 4
 
 
 def test_freed_prefixes_survive_until_their_blocks_are_needed():
@@ -192,11 +192,17 @@ def test_chunked_prefill_interleaves_with_decodes():
     assert chunks == [7, 7, 7, 7, 7, 5] and len(short.output_token_ids) == 7
 
 
-def test_without_chunking_a_prompt_waits_for_a_budget_it_fits():
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, enable_chunked_prefill=False),
+def test_without_chunking_a_request_must_fit_one_step():
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=14, enable_chunked_prefill=False),
                           BlockManager(64, 4))
-    scheduler.add(seq_of(list(range(1, 13))))  # 12 tokens > 8
-    assert scheduler.schedule().is_empty
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        scheduler.add(seq_of(list(range(1, 13)), max_new_tokens=8))  # may reach 19 tokens to recompute
+    scheduler.add(seq_of(list(range(1, 13)), max_new_tokens=2))
+    short = seq_of([1, 2, 3], max_new_tokens=4)
+    scheduler.add(short)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == [12]  # the short one waits for the budget left
+    assert short.status is SequenceStatus.WAITING
 
 
 @pytest.mark.parametrize("chunked", [True, False])
