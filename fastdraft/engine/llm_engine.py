@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.generate import GenerationMetrics
 from fastdraft.engine.model_runner import ModelRunner
@@ -120,6 +121,7 @@ class LLMEngine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        tune_malloc()  # steps reuse their large buffers instead of page-faulting them in
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model = loaded.model

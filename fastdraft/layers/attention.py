@@ -44,15 +44,17 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     attend as they would in a contiguous cache: a whole prompt causally, a few tokens after
     cached ones each over its own prefix (the arithmetic of a one-token decode step), a longer
     chunk through a mask. Returns [1, num_heads, num_tokens, head_dim]."""
-    num_kv_heads, block_size = k_blocks.shape[1], k_blocks.shape[2]
+    num_kv_heads, block_size, head_dim = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3]
+    num_seqs, max_blocks = meta.block_tables.shape
+    # One gather per layer for every sequence: [num_seqs, max_blocks, kv_heads, block_size, dim]
+    # -> [num_seqs, kv_heads, max_blocks * block_size, dim]; each sequence then reads a view.
+    k_all = k_blocks[meta.block_tables].transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
+    v_all = v_blocks[meta.block_tables].transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
     outs = []
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_new, context_len = end - start, meta.context_lens[i]
-        table = meta.block_tables[i, :-(-context_len // block_size)]
-        # [num_blocks_i, kv_heads, block_size, dim] -> [1, kv_heads, context_len, dim]
-        k = k_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, k_blocks.shape[-1])[:, :context_len]
-        v = v_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, v_blocks.shape[-1])[:, :context_len]
+        k, v = k_all[i, :, :context_len], v_all[i, :, :context_len]  # [kv_heads, context_len, dim]
         q_seq = q[:, :, start:end]
         if num_new == context_len and num_new > 1:
             group = q.shape[1] // num_kv_heads
