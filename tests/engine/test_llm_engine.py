@@ -48,6 +48,17 @@ def test_engine_matches_one_request_at_a_time(loaded, engine_config):
     assert engine.block_manager.num_free_blocks == engine_config.num_blocks  # every block returned
 
 
+def test_llm_generate_of_32_prompts_equals_32_single_runs(tiny_models):
+    prompts = [f"def function_{i}(x):\n    return x * {i}" for i in range(32)]
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    sampled = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(32)]
+    llm = LLM(str(tiny_models.dir("qwen2")), dtype="fp32", max_num_seqs=32, kv_cache_memory=0.01)
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    for params in ([greedy] * 32, sampled):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == single_runs(loaded, prompts, params)
+
+
 def test_shared_prefixes_hit_the_cache_and_change_nothing(loaded):
     prefix = "def function_with_a_long_shared_prefix(argument_one, argument_two):\n    "
     prompts = [prefix + "return 1", prefix + "pass", prefix + "x = 2"]
