@@ -30,6 +30,17 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # The serving engine's extras, as vLLM offers them (TextGenerator refuses them):
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of prompt and output tokens
+    min_tokens: int = 0  # EOS cannot be sampled before this many tokens
+    logprobs: int | None = None  # report the chosen token's log-probability and this many top ones
+
+    def uses_engine_extras(self) -> bool:
+        """Whether any option only the serving engine honours is set."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0 or self.logprobs is not None)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +59,16 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 2], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         # NumPy scalars pass the checks above; store plain Python numbers.
         self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)

@@ -71,6 +71,9 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: i
     """Reject a request that cannot run, before any work starts."""
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty")
+    if params.uses_engine_extras():
+        raise ValueError("penalties, min_tokens and logprobs are served by the serving engine (LLM.generate, "
+                         "LLMEngine), not by one-request generation")
     if num_prompt_tokens + params.max_new_tokens > max_seq_len:
         raise ValueError(
             f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "

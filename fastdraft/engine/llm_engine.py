@@ -103,6 +103,9 @@ class RequestOutput:
     is_finished: bool = False
     finish_reason: str | None = None
     metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
+    # With SamplingParams.logprobs: per generated token, (its log-probability, the top ones as
+    # [(token id, log-probability)]), from the model's distribution before any sampling option.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class _Request:
@@ -135,8 +138,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.config.enable_chunked_prefill), self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.eos_token_ids = set(loaded.config.eos_token_ids or [])
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}  # outputs waiting for generate()'s reader
         self._ids = itertools.count()
@@ -198,14 +201,18 @@ class LLMEngine:
         for seq in output.seqs:
             if seq.seq_id not in sampled:
                 continue
-            out = self._record(self._requests[seq.request_id], sampled[seq.seq_id], now)
+            out = self._record(self._requests[seq.request_id], sampled[seq.seq_id], now,
+                               self.runner.last_logprobs.get(seq.seq_id))
             results.append(out)
             if out.request_id in self._streams:
                 self._streams[out.request_id].append(out)
         return results
 
-    def _record(self, request: _Request, token: int, now: float) -> RequestOutput:
+    def _record(self, request: _Request, token: int, now: float,
+                logprobs: tuple[float, list[tuple[int, float]]] | None) -> RequestOutput:
         seq, out = request.seq, request.output
+        if logprobs is not None:
+            out.logprobs = (out.logprobs or []) + [logprobs]
         metrics = out.metrics
         if metrics.num_generated_tokens == 0:
             metrics.ttft_s = now - request.arrival
@@ -232,6 +239,7 @@ class LLMEngine:
         out.text += piece
         # A snapshot: the request's record keeps growing after this step.
         return replace(out, token_ids=list(out.token_ids), new_token_ids=list(out.new_token_ids),
+                       logprobs=None if out.logprobs is None else list(out.logprobs),
                        metrics=replace(metrics, token_latencies_s=list(metrics.token_latencies_s)))
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:

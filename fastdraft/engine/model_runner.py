@@ -10,7 +10,7 @@ from fastdraft.engine.generate import make_generator
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.sampler import sample
+from fastdraft.layers.sampler import apply_penalties, sample
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -23,13 +23,18 @@ class ModelRunner:
     parameters and generator: a seeded request's draws never depend on what else runs (its
     logits do not either where every kernel is row-invariant)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
+                 eos_token_ids: set[int] | None = None) -> None:
         if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
             raise ValueError("the KV cache and the block manager must agree on block size and count")
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self._generators: dict[int, torch.Generator] = {}
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
+        # The log-probabilities of the last step's sampled tokens, for requests that ask
+        # (seq_id -> (chosen token's logprob, [(token id, logprob)] of the top ``logprobs``)).
+        self.last_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""
@@ -80,5 +85,20 @@ class ModelRunner:
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
-        return {seq.seq_id: int(sample(logits[i:i + 1], seq.params, self._generator(seq)))
-                for i, seq in enumerate(samplers)}
+        self.last_logprobs = {}
+        sampled = {}
+        for i, seq in enumerate(samplers):
+            params = seq.params
+            row = apply_penalties(logits[i], seq.prompt_token_ids, seq.output_token_ids, params)  # [vocab_size]
+            if len(seq.output_token_ids) < params.min_tokens and self.eos_token_ids:
+                eos_ids = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=row.device)
+                row = row.index_fill(0, eos_ids, float("-inf"))
+            token = int(sample(row.unsqueeze(0), params, self._generator(seq)))
+            sampled[seq.seq_id] = token
+            if params.logprobs is not None:
+                # Of the model's own distribution, before penalties and temperature (as vLLM reports them).
+                logprobs = torch.log_softmax(logits[i], dim=-1)  # [vocab_size]
+                top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+                pairs = [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)]
+                self.last_logprobs[seq.seq_id] = (float(logprobs[token]), pairs)
+        return sampled

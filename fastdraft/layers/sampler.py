@@ -115,3 +115,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.is_greedy:
         return greedy_ids(logits)
     return sample_from_probs(logits_to_probs(logits, params), generator)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+                    params: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties on one row of logits [vocab]: repetition over prompt and output tokens
+    (positive logits divided, negative multiplied), then presence and frequency over the output
+    tokens. Returns ``logits`` itself when no penalty is set."""
+    if params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
+        return logits
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits

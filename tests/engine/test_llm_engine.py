@@ -3,6 +3,8 @@ runs give what one request at a time gives."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.sampler import apply_penalties
 from fastdraft.llm import LLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
@@ -177,3 +180,35 @@ def test_bad_requests_are_refused(tiny_models):
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="chunked prefill"):
         EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=4096)
+
+
+def test_penalties_follow_vllms_formulas():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, prompt_ids=[0, 1], output_ids=[3, 3, 1], params=params)
+    # repetition over prompt and output tokens {0, 1, 3}; presence + frequency * count over {1: 1, 3: 2}
+    expected = torch.tensor([2.0 / 2, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.5, -2.0])
+    assert torch.allclose(out, expected)
+    assert apply_penalties(logits, [0], [3], SamplingParams()) is logits  # no penalty: untouched
+    for bad in (dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0),
+                dict(min_tokens=-1), dict(min_tokens=300), dict(logprobs=21)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_engine_extras_min_tokens_logprobs_and_a_refusing_text_generator(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
+    sampled = dict(max_new_tokens=8, temperature=1.0, seed=5)
+    first = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, ignore_eos=True)])[0]
+    engine.eos_token_ids.add(first.token_ids[0])  # the first token now ends the request...
+    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, min_tokens=3)])[0]
+    assert len(out.token_ids) >= 3 and first.token_ids[0] not in out.token_ids[:3]  # ...but not before 3
+    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(max_new_tokens=4, logprobs=3,
+                                                                          ignore_eos=True)])[0]
+    assert len(out.logprobs) == 4
+    for token, (chosen, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])  # greedy: the top one
+        assert chosen <= 0 and sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
+    with pytest.raises(ValueError, match="serving engine"):
+        TextGenerator(loaded, max_seq_len=64).generate("x", SamplingParams(max_new_tokens=2, presence_penalty=1.0))
