@@ -44,8 +44,8 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     attend as they would in a contiguous cache: a whole prompt causally, a few tokens after
     cached ones each over its own prefix (the arithmetic of a one-token decode step), a longer
     chunk through a mask. Returns [1, num_heads, num_tokens, head_dim]."""
-    num_kv_heads, block_size, head_dim = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3]
-    num_seqs, max_blocks = meta.block_tables.shape
+    num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
+    num_seqs = meta.block_tables.shape[0]
     # One gather per layer for every sequence: [num_seqs, max_blocks, kv_heads, block_size, dim]
     # -> [num_seqs, kv_heads, max_blocks * block_size, dim]; each sequence then reads a view.
     k_all = k_blocks[meta.block_tables].transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
