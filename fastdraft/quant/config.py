@@ -87,7 +87,7 @@ class QuantConfig:
     """
 
     method: str = "rtn"
-    bits: int = 4
+    bits: int = 4  # 4, 6 (symmetric, RTN; 4 values in 3 bytes) or 8 (symmetric)
     group_size: int = 128  # 32..1024, or -1 for per channel
     sym: bool = True
     # Asymmetric INT4 only: fractional float16 zero points (llama.cpp Q4_1/Q4_K, ipex-llm
@@ -125,13 +125,15 @@ class QuantConfig:
             raise ValueError("tensor_formats applies to method=gguf only")
         for _, spec in self.tensor_formats:
             parse_format_spec(spec)
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"bits must be 4, 6 or 8, got {self.bits}")
         if self.group_size != PER_CHANNEL and self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or -1 (per channel), "
                              f"got {self.group_size}")
-        if self.bits == 8 and not self.sym:
-            raise ValueError("INT8 weight-only quantization is symmetric only")
+        if self.bits in (6, 8) and not self.sym:
+            raise ValueError(f"INT{self.bits} weight-only quantization is symmetric only")
+        if self.bits == 6 and self.method != "rtn":
+            raise ValueError("INT6 linears are quantized with RTN only")
         if self.float_zeros and (self.sym or self.bits != 4):
             raise ValueError("float_zeros applies to asymmetric INT4 only (sym=false, bits=4)")
         if self.act_order and self.method != "gptq":
