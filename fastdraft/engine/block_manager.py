@@ -100,23 +100,21 @@ class BlockManager:
             found.append(self.blocks[block_id])
         return found
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """How many of ``seq``'s tokens the prefix cache holds now."""
-        return len(self.cached_prefix_blocks(seq)) * self.block_size
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether ``allocate(seq, num_new_tokens)`` would succeed now."""
-        cached = self.cached_prefix_blocks(seq)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
+        """Whether ``allocate(seq, num_new_tokens)`` would succeed now. ``cached``: the
+        sequence's ``cached_prefix_blocks``, when the caller has already looked them up."""
+        cached = self.cached_prefix_blocks(seq) if cached is None else cached
         num_reused_free = sum(b.ref_count == 0 for b in cached)
         needed = self.num_blocks_for(len(cached) * self.block_size + num_new_tokens) - len(cached)
         return max(needed, 0) + num_reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] | None = None) -> None:
         """Give a waiting ``seq`` its blocks: cached prefix blocks first (counted as computed),
-        then fresh ones for ``num_new_tokens`` more tokens. Call ``can_allocate`` first."""
+        then fresh ones for ``num_new_tokens`` more tokens. Call ``can_allocate`` first, and
+        pass the same ``cached`` blocks, if any, with no allocation between."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.request_id} already holds blocks")
-        cached = self.cached_prefix_blocks(seq)
+        cached = self.cached_prefix_blocks(seq) if cached is None else cached
         seq.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.num_prefix_queries += seq.num_tokens

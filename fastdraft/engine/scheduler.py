@@ -130,14 +130,15 @@ class Scheduler:
         # take blocks back from the running ones (a victim could even return at once).
         while not output.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            uncomputed = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+            cached = self.block_manager.cached_prefix_blocks(seq)  # hashed once per admission
+            uncomputed = seq.num_tokens - len(cached) * self.block_manager.block_size
             num = min(uncomputed, budget)
             if not self.config.enable_chunked_prefill and uncomputed > budget:
                 break
-            if not self.block_manager.can_allocate(seq, num):
+            if not self.block_manager.can_allocate(seq, num, cached):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num)
+            self.block_manager.allocate(seq, num, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.seqs.append(seq)

@@ -180,15 +180,13 @@ class QuantConfig:
     def label(self) -> str:
         if self.is_gguf_native:
             return "gguf-native"
-        group = "pc" if self.group_size == PER_CHANNEL else f"g{self.group_size}"
-        kind = "sym" if self.sym else ("asymf" if self.float_zeros else "asym")
         extra = ("-actorder" if self.act_order else "") + ("-clip" if self.awq_clip else "")
         extra += f"-damp{self.damp_percent:g}" if self.method == "gptq" and self.damp_percent != 0.01 else ""
         extra += "-mix8" if self.sensitive_bits == 8 else ""
         extra += f"-head{self.lm_head_bits}" if self.lm_head_bits in (4, 6) else ""
         if self.int8_linears:
             extra += "-int8[" + "+".join(n.rpartition(".")[2] for n in self.int8_linears) + "]"
-        return f"{self.method}-int{self.bits}-{group}-{kind}{extra}"
+        return f"{self.method}-{format_spec(WeightFormat(self.bits, self.group_size, self.sym, self.float_zeros))}{extra}"
 
     def layer_format(self, layer_idx: int, num_layers: int, name: str) -> WeightFormat | None:
         """The format of linear ``name`` of decoder layer ``layer_idx`` (None: it stays dense)."""

@@ -39,7 +39,7 @@ from fastdraft.layers.quant_linear import QuantLinear, exact_min_rows
 from fastdraft.models.gguf_convert import unpermute_llama
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
-from fastdraft.quant.quantizer import replace_module
+from fastdraft.quant.quantizer import quant_linear, replace_module
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
 
 
+def _nibbles(qs: np.ndarray, axis: int = -1) -> np.ndarray:
+    """GGUF's nibble order: every low nibble of ``qs``, then every high one, along ``axis``."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=axis)
+
+
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
@@ -71,7 +76,7 @@ def _q4_0(blocks: np.ndarray) -> QuantizedWeight:
     rows, num_blocks, _ = blocks.shape
     d = _f16(blocks[..., 0:2])  # [rows, num_blocks]
     qs = blocks[..., 2:18]  # low nibbles: weights 0-15; high nibbles: weights 16-31
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    q = _nibbles(qs).reshape(rows, -1)
     return QuantizedWeight(pack_int4(_tensor(q, torch.uint8)), _tensor(d, SCALE_DTYPE), None, 4, GROUP,
                            num_blocks * GROUP)
 
@@ -80,7 +85,7 @@ def _q4_1(blocks: np.ndarray) -> QuantizedWeight:
     rows, num_blocks, _ = blocks.shape
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     qs = blocks[..., 4:20]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    q = _nibbles(qs).reshape(rows, -1)
     return _float_zero_weight(q, d, m, num_blocks * GROUP)
 
 
@@ -108,7 +113,7 @@ def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     m = m.reshape(rows, num_blocks, 8).astype(np.float32)
     # 4 chunks of 32 bytes: the low nibbles are sub-block 2c, the high nibbles sub-block 2c + 1.
     qs = blocks[..., 16:144].reshape(rows, num_blocks, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
+    q = _nibbles(qs, axis=3).reshape(rows, -1)
     scale = (d[..., None] * sc).reshape(rows, -1)  # [rows, num_groups]
     offset = -(dmin[..., None] * m).reshape(rows, -1)
     return _float_zero_weight(q, scale, offset, num_blocks * 256)
@@ -120,7 +125,7 @@ def _q5_0(blocks: np.ndarray) -> QuantizedWeight:
     qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [rows, num_blocks, 1]: bit i is weight i's 5th bit
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, num_blocks, 32]
     qs = blocks[..., 6:22]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    low = _nibbles(qs)
     q6 = (low | (high << 4)) + 16  # Q5_0's d * (q5 - 16) is INT6's scale * (q6 - 32)
     return QuantizedWeight(pack_int6(_tensor(q6.reshape(rows, -1), torch.uint8)), _tensor(d, SCALE_DTYPE), None,
                            6, GROUP, num_blocks * GROUP)
@@ -199,8 +204,7 @@ def apply_gguf_native(model: LlamaForCausalLM, gguf_path: str | Path) -> QuantCo
                              f"the model's is {linear.out_features}x{linear.in_features}")
         if not is_exact:
             inexact[tensor.tensor_type.name] = inexact.get(tensor.tensor_type.name, 0) + 1
-        bias = None if getattr(linear, "bias", None) is None else linear.bias.detach()
-        return QuantLinear(qw, bias)
+        return quant_linear(linear, qw)
 
     is_permuted = config.model_type == "llama"
     for idx, layer in enumerate(model.model.layers):

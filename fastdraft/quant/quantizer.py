@@ -60,7 +60,8 @@ def replace_module(layer: nn.Module, name: str, module: nn.Module) -> None:
     setattr(layer.get_submodule(parent_name) if parent_name else layer, child, module)
 
 
-def _quant_linear(linear: nn.Linear, qw: QuantizedWeight) -> QuantLinear:
+def quant_linear(linear: nn.Linear, qw: QuantizedWeight) -> QuantLinear:
+    """The quantized replacement of ``linear``: weight ``qw``, and a copy of its bias."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
     return QuantLinear(qw, bias)
 
@@ -73,7 +74,7 @@ def _quantize_layer_rtn(layer: LlamaDecoderLayer, config: QuantConfig, num_layer
     for name in LAYER_LINEARS:
         linear = layer.get_submodule(name)
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
-        replace_module(layer, name, _quant_linear(linear, _rtn(linear.weight, fmt)))
+        replace_module(layer, name, quant_linear(linear, _rtn(linear.weight, fmt)))
 
 
 def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
@@ -89,7 +90,7 @@ def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, con
         else:
             qw = gptq_quantize(linear.weight, accumulators[name].hessian, config.group_size, config.sym,
                                config.act_order, config.damp_percent, config.float_zeros)
-        replace_module(layer, name, _quant_linear(linear, qw))
+        replace_module(layer, name, quant_linear(linear, qw))
 
 
 def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
@@ -128,7 +129,7 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
         if config.awq_clip and fmt[0] == 4 and name not in ("self_attn.q_proj", "self_attn.k_proj"):  # q/k feed a softmax
             weight = awq.search_clip(scaled_inputs[name], weight, config.group_size, config.sym, config.float_zeros)
-        replace_module(layer, name, _quant_linear(linear, _rtn(weight, fmt)))
+        replace_module(layer, name, quant_linear(linear, _rtn(weight, fmt)))
 
 
 def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
@@ -163,7 +164,7 @@ def _quantize_head_and_embeddings(model: LlamaForCausalLM, config: QuantConfig) 
     head_format = config.head_format()
     if head_format is not None:
         head = model.lm_head
-        model.lm_head = _quant_linear(head, quantize(head.weight, *head_format))
+        model.lm_head = quant_linear(head, quantize(head.weight, *head_format))
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
         model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True), embed.weight.dtype)
