@@ -128,6 +128,57 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return ext.decode_attention(q, k, v, scale, num_tokens)
 
 
+def reference_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                               block_tables: torch.Tensor, query_start_loc: list[int], context_lens: list[int],
+                               scale: float) -> torch.Tensor:
+    """paged_attention's PyTorch twin: each sequence's keys gathered from its blocks, then each
+    of its new tokens attends over its own prefix as decode_attention's twin does."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_blocks.shape[1], k_blocks.shape[2]
+    group = num_heads // num_kv_heads
+    outs = []
+    for i, context_len in enumerate(context_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        num_new = end - start
+        table = block_tables[i, :(context_len + block_size - 1) // block_size]
+        # [blocks, kv_heads, block_size, dim] -> [1, kv_heads, context_len, dim]
+        k = k_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :context_len]
+        v = v_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :context_len]
+        # Grouped query heads folded into rows, token-major: [1, kv_heads, num_new * group, dim].
+        q_rows = q[start:end].reshape(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+        q_rows = q_rows.reshape(1, num_kv_heads, num_new * group, head_dim)
+        out = reference_decode_attention(q_rows, k, v, scale, num_new)
+        outs.append(out.view(num_kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, num_heads,
+                                                                                              head_dim))
+    return torch.cat(outs)
+
+
+def paged_attention_kernel_applies(q: torch.Tensor, k_blocks: torch.Tensor) -> bool:
+    """Whether paged_attention runs fastdraft's C++ kernel for these tensors (else its twin)."""
+    head_dim, block_size = q.shape[-1], k_blocks.shape[2]
+    return (_extension_for(q, k_blocks) is not None and head_dim % 16 == 0 and head_dim <= 256
+            and block_size >= 2 and block_size & (block_size - 1) == 0 and k_blocks.is_contiguous())
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: list[int] | torch.Tensor, context_lens: list[int] | torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention of a flat batch q [num_tokens, num_heads, head_dim] over a paged pool
+    k/v_blocks [num_blocks, num_kv_heads, block_size, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    Sequence ``i``'s new tokens are ``q[query_start_loc[i]:query_start_loc[i + 1]]``, the last
+    of its ``context_lens[i]`` keys, which lie in the blocks of ``block_tables[i]``; each token
+    sees the keys up to its own. Every query row is computed as :func:`decode_attention`
+    computes a one-token step over the same keys, so a row's result does not depend on the
+    other rows, the other sequences, or how many tokens of its sequence the step holds."""
+    if not paged_attention_kernel_applies(q, k_blocks):
+        return reference_paged_attention(q, k_blocks, v_blocks, block_tables, [int(i) for i in query_start_loc],
+                                         [int(n) for n in context_lens], scale)
+    qsl = torch.as_tensor(query_start_loc, dtype=torch.long)
+    lens = torch.as_tensor(context_lens, dtype=torch.long)
+    return load_x86_extension().paged_attention(q, k_blocks, v_blocks, block_tables.contiguous(), qsl, lens, scale)
+
+
 def reference_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The dense bf16 kernel's math in plain PyTorch: fp32 products and sums (in another
     order than the kernel's), the bias added in fp32, one rounding to x's dtype."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.kernels.fused import decode_attention, sdpa
+from fastdraft.kernels.fused import decode_attention, paged_attention_kernel_applies, sdpa
+from fastdraft.kernels.fused import paged_attention as paged_attention_kernel
 from fastdraft.layers.kv_cache import AttentionMetadata, PagedAttentionMetadata
 
 # Most tokens appended to a cached prefix that attend through decode_attention's causal
@@ -37,13 +38,22 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: PagedAttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Attention of a flat batch over a paged cache, one sequence at a time.
+    """Attention of a flat batch over a paged cache.
 
     q: [1, num_heads, num_tokens, head_dim]; k_blocks, v_blocks: [num_blocks, num_kv_heads,
-    block_size, head_dim]. Each sequence's keys are gathered from its blocks, and its new tokens
-    attend as they would in a contiguous cache: a whole prompt causally, a few tokens after
-    cached ones each over its own prefix (the arithmetic of a one-token decode step), a longer
-    chunk through a mask. Returns [1, num_heads, num_tokens, head_dim]."""
+    block_size, head_dim]. Returns [1, num_heads, num_tokens, head_dim].
+
+    On CPUs with fastdraft's kernels, one C++ call reads every sequence's keys and values
+    straight from its blocks and computes each query row as a one-token decode step would,
+    whatever else the step holds: prefill, chunked prefill, decode and verification agree bit
+    for bit. Elsewhere (CUDA), each sequence's keys are gathered and its new tokens attend as
+    they would in a contiguous cache: a whole prompt causally, a few tokens after cached ones
+    each over its own prefix, a longer chunk through a mask."""
+    if paged_attention_kernel_applies(q, k_blocks):
+        q_flat = q[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+        out = paged_attention_kernel(q_flat, k_blocks, v_blocks, meta.block_tables, meta.query_start_loc_tensor,
+                                     meta.context_lens_tensor, scale)
+        return out.transpose(0, 1).unsqueeze(0)
     num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
     num_seqs = meta.block_tables.shape[0]
     # One gather per layer for every sequence: [num_seqs, max_blocks, kv_heads, block_size, dim]

@@ -206,6 +206,9 @@ class PagedAttentionMetadata:
         self.slot_mapping = slot_mapping
         self.query_start_loc = query_start_loc
         self.context_lens = context_lens
+        # The same two as int64 host tensors, built once per step for the C++ attention.
+        self.query_start_loc_tensor = torch.tensor(query_start_loc, dtype=torch.long)
+        self.context_lens_tensor = torch.tensor(context_lens, dtype=torch.long)
         self.block_tables = block_tables
         self.num_tokens = positions.shape[0]
         self.num_seqs = len(context_lens)

@@ -179,6 +179,80 @@ def test_causal_tokens_bad_shape_is_a_value_error():
         fused.decode_attention(q, k, k, 1.0, num_tokens=2)
 
 
+def _paged_batch(dtype, block_size, seqs, num_heads=6, num_kv_heads=2, head_dim=64):
+    """Random blocks, q and block tables (shuffled block ids) for seqs [(num_new, context_len)]."""
+    num_blocks = sum((length + block_size - 1) // block_size for _, length in seqs) + 8
+    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    max_blocks = max((length + block_size - 1) // block_size for _, length in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    free = torch.randperm(num_blocks).tolist()
+    for i, (_, length) in enumerate(seqs):
+        for b in range((length + block_size - 1) // block_size):
+            tables[i, b] = free.pop()
+    query_start_loc = [0]
+    for num_new, _ in seqs:
+        query_start_loc.append(query_start_loc[-1] + num_new)
+    q = torch.randn(query_start_loc[-1], num_heads, head_dim).to(dtype)
+    return q, k_blocks, v_blocks, tables, query_start_loc, [length for _, length in seqs]
+
+
+# Decode, verification, a whole prompt, a chunk after a cached prefix crossing 256-key splits,
+# a one-key sequence.
+_PAGED_SEQS = [(1, 300), (5, 40), (37, 37), (1, 1), (3, 600), (270, 530)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [2, 16, 64])
+def test_paged_attention_matches_twin_and_decode_attention(dtype, tol, block_size):
+    torch.manual_seed(block_size)
+    q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(dtype, block_size, _PAGED_SEQS)
+    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    twin = fused.reference_paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    assert (out.float() - twin.float()).abs().max().item() <= tol
+    num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
+    group = q.shape[1] // num_kv_heads
+    for i, (num_new, length) in enumerate(_PAGED_SEQS):
+        # The same keys, contiguous: decode_attention gives every row bit for bit.
+        table = tables[i, :(length + block_size - 1) // block_size]
+        k = k_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :length].contiguous()
+        v = v_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :length].contiguous()
+        q_seq = q[query_start_loc[i]:query_start_loc[i + 1]]
+        q_rows = q_seq.reshape(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+        q_rows = q_rows.reshape(1, num_kv_heads, num_new * group, head_dim).contiguous()
+        expected = fused.decode_attention(q_rows, k, v, 0.125, num_new)
+        expected = expected.view(num_kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(q_seq.shape)
+        assert torch.equal(out[query_start_loc[i]:query_start_loc[i + 1]], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_rows_do_not_depend_on_the_batch(dtype):
+    # A token's row is the same alone (a decode step), in a chunk of its prompt, or beside
+    # other sequences: batch invariance of the attention.
+    torch.manual_seed(1)
+    q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(dtype, 16, _PAGED_SEQS)
+    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    i = len(_PAGED_SEQS) - 1  # the 270-token chunk ending at key 530
+    num_new, length = _PAGED_SEQS[i]
+    for t in (0, 100, num_new - 1):
+        row = query_start_loc[i] + t
+        alone = fused.paged_attention(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
+                                      [length - num_new + t + 1], 0.125)
+        assert torch.equal(alone[0], out[row])
+    split = 40  # the same chunk as two chunks
+    first = fused.paged_attention(q[query_start_loc[i]:query_start_loc[i] + split], k_blocks, v_blocks,
+                                  tables[i:i + 1], [0, split], [length - num_new + split], 0.125)
+    assert torch.equal(first, out[query_start_loc[i]:query_start_loc[i] + split])
+
+
+def test_paged_attention_rejects_bad_metadata():
+    q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(torch.float32, 16, [(2, 20)])
+    with pytest.raises(RuntimeError, match="new tokens"):
+        fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, [1], 0.125)
+    with pytest.raises(RuntimeError, match="block id"):
+        fused.paged_attention(q, k_blocks, v_blocks, tables + 1000, query_start_loc, context_lens, 0.125)
+
+
 def _has_dense_bf16() -> bool:
     ext = load_x86_extension()
     return ext is not None and ext.dense_bf16_applies(torch.zeros(1, 32, dtype=torch.bfloat16),

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -35,13 +36,30 @@ inline void prefetch_row(const at::BFloat16* p, int64_t count) {
   for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, L2_PREFETCH ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
-// Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
+// Where key (or value) row l lies. A sequence's rows are either one strided run (a
+// contiguous cache slot) or blocks of a paged pool found through its block table; the kernels
+// below take either as a template argument, so the contiguous path compiles as before.
 template <typename T>
-void qk_scores(const float* q, const T* k, int64_t k_stride, int64_t rows, int64_t d, int64_t l0, int64_t n,
-               float* scores) {
+struct StridedRows {
+  const T* base;
+  int64_t stride;
+  const T* operator()(int64_t l) const { return base + l * stride; }
+};
+
+template <typename T>
+struct BlockRows {
+  const T* base;         // this layer's pool at this kv head: block b's row i is base + b * block_stride + i * d
+  const int64_t* table;  // the sequence's block ids
+  int64_t block_stride, row_stride, shift, mask;  // block_size = 1 << shift, mask = block_size - 1
+  const T* operator()(int64_t l) const { return base + table[l >> shift] * block_stride + (l & mask) * row_stride; }
+};
+
+// Scores of `rows` query rows against keys l0..l0+n-1, fp32 math: scores [rows, n].
+template <typename T, typename Rows>
+void qk_scores(const float* q, const Rows& k, int64_t rows, int64_t d, int64_t l0, int64_t n, float* scores) {
   const int64_t vecs = d / 16;
   for (int64_t l = 0; l < n; ++l) {
-    const T* kr = k + (l0 + l) * k_stride;
+    const T* kr = k(l0 + l);
     __m512 kv[16];
     for (int64_t i = 0; i < vecs; ++i) kv[i] = load16(kr + 16 * i, 0xffff);
     for (int64_t r = 0; r < rows; ++r) {
@@ -108,19 +126,19 @@ __attribute__((target("avx512bf16"))) void qk_tile_bf16(const uint32_t* qp, int6
 
 // bf16 scores with AVX512-BF16 dot products: each 16-key tile is transposed once (to 16 keys
 // per vector) and shared by every query row, so no row pays a horizontal reduction per key.
-template <bool L2_PREFETCH>
-void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int64_t k_stride, int64_t rows, int64_t d,
-                    int64_t l0, int64_t n, float* scores) {
+template <bool L2_PREFETCH, typename Rows>
+void qk_scores_bf16(const uint32_t* qp, float scale, const Rows& k, int64_t rows, int64_t d, int64_t l0, int64_t n,
+                    float* scores) {
   const int64_t pairs = d / 2;
   alignas(64) uint32_t kt[128 * 16];  // [pairs][16 keys], d <= 256
   for (int64_t lt = 0; lt < n; lt += 16) {
     const int64_t nk = std::min<int64_t>(16, n - lt);
     for (int64_t j = lt + kKeysAhead; j < std::min<int64_t>(n, lt + kKeysAhead + 16); ++j)
-      prefetch_row<L2_PREFETCH>(k + (l0 + j) * k_stride, d);
+      prefetch_row<L2_PREFETCH>(k(l0 + j), d);
     for (int64_t c = 0; c < pairs / 16; ++c) {
       __m512i tile[16];
       for (int j = 0; j < 16; ++j)
-        tile[j] = j < nk ? _mm512_loadu_si512(k + (l0 + lt + j) * k_stride + 32 * c) : _mm512_setzero_si512();
+        tile[j] = j < nk ? _mm512_loadu_si512(k(l0 + lt + j) + 32 * c) : _mm512_setzero_si512();
       transpose16x16(tile);
       for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + 16 * (16 * c + p), tile[p]);
     }
@@ -145,10 +163,10 @@ void qk_scores_bf16(const uint32_t* qp, float scale, const at::BFloat16* k, int6
 // One block of NR query rows x NV * 16 dims of P V (bf16 dot products over key pairs). The
 // sizes are compile-time so the NR x NV accumulators stay in registers. p_pairs [NR rows of
 // num_pairs]; a row stops at its own last key pair (row_pairs), every row sees pairs_all.
-template <int NR, int NV, bool L2_PREFETCH>
+template <int NR, int NV, bool L2_PREFETCH, typename Rows>
 __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int64_t num_pairs,
                                                     const int64_t* row_pairs, int64_t pairs_all, int64_t pairs_any,
-                                                    const at::BFloat16* v, int64_t v_stride, int64_t n,
+                                                    const Rows& v, int64_t l0, int64_t c0, int64_t n,
                                                     float* acc_out, int64_t d) {
   const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -157,14 +175,16 @@ __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs_any; ++j) {
-    const at::BFloat16* va = v + 2 * j * v_stride;
+    const at::BFloat16* va = v(l0 + 2 * j) + c0;
     if (2 * j + kKeysAhead + 1 < n)  // this block's dims of the two rows kKeysAhead keys on
-      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row<L2_PREFETCH>(va + r * v_stride, 16 * NV);
+      for (int64_t r = kKeysAhead; r <= kKeysAhead + 1; ++r) prefetch_row<L2_PREFETCH>(v(l0 + 2 * j + r) + c0, 16 * NV);
     const bool has_b = 2 * j + 1 < n;
+    // Keys 2j and 2j + 1 are never in different blocks: blocks hold an even number of rows.
+    const at::BFloat16* vb = has_b ? v(l0 + 2 * j + 1) + c0 : va;
     __m512i vv[NV];  // dims 16i..16i+15 of keys 2j and 2j+1, interleaved
     for (int h = 0; h < NV / 2; ++h) {
       const __m512i a = _mm512_loadu_si512(va + 32 * h);
-      const __m512i b = has_b ? _mm512_loadu_si512(va + v_stride + 32 * h) : _mm512_setzero_si512();
+      const __m512i b = has_b ? _mm512_loadu_si512(vb + 32 * h) : _mm512_setzero_si512();
       vv[2 * h] = _mm512_permutex2var_epi16(a, idx_lo, b);
       vv[2 * h + 1] = _mm512_permutex2var_epi16(a, idx_hi, b);
     }
@@ -179,22 +199,22 @@ __attribute__((target("avx512bf16"))) void pv_block(const uint32_t* p_pairs, int
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * d + 16 * i, acc[r][i]);
 }
 
-template <int NV, bool L2_PREFETCH>
+template <int NV, bool L2_PREFETCH, typename Rows>
 void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* row_pairs, int64_t pairs_all,
-             int64_t pairs_any, const at::BFloat16* v, int64_t v_stride, int64_t n, float* out, int64_t d) {
+             int64_t pairs_any, const Rows& v, int64_t l0, int64_t c0, int64_t n, float* out, int64_t d) {
   switch (nr) {
-    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+    case 1: pv_block<1, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
-    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+    case 2: pv_block<2, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
-    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+    case 3: pv_block<3, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
-    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+    case 4: pv_block<4, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
-    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+    case 5: pv_block<5, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
     default:
-      pv_block<6, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, v_stride, n, out, d);
+      pv_block<6, NV, L2_PREFETCH>(pp, num_pairs, row_pairs, pairs_all, pairs_any, v, l0, c0, n, out, d);
       break;
   }
 }
@@ -204,9 +224,9 @@ void pv_rows(int64_t nr, const uint32_t* pp, int64_t num_pairs, const int64_t* r
 // Two V rows are interleaved once (16 dims x 2 keys per vector) and feed up to 6 query rows,
 // 64 dims at a time. A row stops at its own last key pair; an odd last key is paired with a
 // zero row.
-template <bool L2_PREFETCH>
-void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, int64_t v_stride, int64_t rows,
-             int64_t d, int64_t l0, int64_t n, const int64_t* num_keys, float* acc_out) {
+template <bool L2_PREFETCH, typename Rows>
+void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const Rows& v, int64_t rows, int64_t d, int64_t l0, int64_t n,
+             const int64_t* num_keys, float* acc_out) {
   std::vector<int64_t> row_pairs(rows);
   for (int64_t r = 0; r < rows; ++r) row_pairs[r] = (num_keys[r] + 1) / 2;
   constexpr int kRows = 6;  // 6 rows x 4 vectors of accumulators fit the 32 vector registers
@@ -218,33 +238,30 @@ void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const at::BFloat16* v, 
       pairs_any = std::max(pairs_any, row_pairs[r0 + r]);
     }
     const uint32_t* pp = p_pairs + r0 * num_pairs;
-    const at::BFloat16* vb = v + l0 * v_stride;
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       float* out = acc_out + r0 * d + c0;
       if (d - c0 >= 64)
-        pv_rows<4, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
-                                out, d);
+        pv_rows<4, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, v, l0, c0, n, out, d);
       else  // d % 32 == 0 on this path: a last 32 dims
-        pv_rows<2, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, vb + c0, v_stride, n,
-                                out, d);
+        pv_rows<2, L2_PREFETCH>(nr, pp, num_pairs, row_pairs.data() + r0, pairs_all, pairs_any, v, l0, c0, n, out, d);
     }
   }
 }
 
 // One split (keys l0..l1-1) for `rows` query rows; row r sees only its first num_keys[r]
 // keys of the split (0: none). Writes each row's max, exp-sum and unnormalised P V.
-template <typename T, bool L2_PREFETCH>
-void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T* k, const T* v, int64_t k_stride,
-                  int64_t v_stride, int64_t rows, int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys,
-                  float* max_out, float* sum_out, float* acc_out) {
+template <typename T, bool L2_PREFETCH, typename Rows>
+void attend_split(const float* q, const uint32_t* q_pairs, float scale, const Rows& k, const Rows& v, int64_t rows,
+                  int64_t d, int64_t l0, int64_t l1, const int64_t* num_keys, float* max_out, float* sum_out,
+                  float* acc_out) {
   const int64_t n = l1 - l0;
   std::vector<float> scores(rows * n);
   const int64_t vecs = d / 16;
   const bool is_bf16 = q_pairs != nullptr;  // AVX512-BF16 dot products for q K^T and P V
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (is_bf16) qk_scores_bf16<L2_PREFETCH>(q_pairs, scale, k, k_stride, rows, d, l0, n, scores.data());
+    if (is_bf16) qk_scores_bf16<L2_PREFETCH>(q_pairs, scale, k, rows, d, l0, n, scores.data());
   }
-  if (!is_bf16) qk_scores(q, k, k_stride, rows, d, l0, n, scores.data());
+  if (!is_bf16) qk_scores<T>(q, k, rows, d, l0, n, scores.data());
   // bf16 path: probabilities rounded to bf16 and packed in key pairs for pv_bf16, zero past
   // each row's last key (an odd last key pairs with zero).
   const int64_t num_pairs = (n + 1) / 2;
@@ -275,8 +292,8 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
   }
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (is_bf16) {
-      pv_bf16<L2_PREFETCH>(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, v_stride, rows, d, l0,
-                           n, num_keys, acc_out);
+      pv_bf16<L2_PREFETCH>(reinterpret_cast<const uint32_t*>(probs_bf16.data()), num_pairs, v, rows, d, l0, n,
+                           num_keys, acc_out);
       return;
     }
   }
@@ -296,7 +313,7 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const T*
       for (int r = 0; r < kRows; ++r)
         for (int i = 0; i < kVecs; ++i) acc[r][i] = _mm512_setzero_ps();
       for (int64_t l = 0; l < n_any; ++l) {
-        const T* vr = v + (l0 + l) * v_stride + 16 * i0;
+        const T* vr = v(l0 + l) + 16 * i0;
         __m512 vv[kVecs];
         for (int i = 0; i < kVecs; ++i) vv[i] = i < nv ? load16(vr + 16 * i, 0xffff) : _mm512_setzero_ps();
         const bool is_shared = l < n_all;
@@ -397,41 +414,42 @@ void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
     if (k.scalar_type() == at::kFloat) {
       const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
       const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-      attend_split<float, false>(qp, nullptr, 1.0f, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1, num_keys.data(),
-                                 mo, so, ao);
+      attend_split<float, false>(qp, nullptr, 1.0f, StridedRows<float>{kp, k.stride(2)},
+                                 StridedRows<float>{vp, v.stride(2)}, rows, d, l0, l1, num_keys.data(), mo, so, ao);
     } else {
       const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
       const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
       const uint32_t* pairs = p.is_bf16_dot
           ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
+      const StridedRows<at::BFloat16> k_rows{kp, k.stride(2)}, v_rows{vp, v.stride(2)};
       if (fastdraft::is_amd_cpu())  // into L2 there, see kKeysAhead
-        attend_split<at::BFloat16, true>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
-                                         num_keys.data(), mo, so, ao);
+        attend_split<at::BFloat16, true>(qp, pairs, p.scale, k_rows, v_rows, rows, d, l0, l1, num_keys.data(), mo, so,
+                                         ao);
       else
-        attend_split<at::BFloat16, false>(qp, pairs, p.scale, kp, vp, k.stride(2), v.stride(2), rows, d, l0, l1,
-                                          num_keys.data(), mo, so, ao);
+        attend_split<at::BFloat16, false>(qp, pairs, p.scale, k_rows, v_rows, rows, d, l0, l1, num_keys.data(), mo, so,
+                                          ao);
     }
   }
 }
 
 namespace {
 
-// Combines the splits of row r of batch-head bh into out + off.
-void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const torch::Tensor& out, int64_t off) {
-  const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
-  const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
+// Merges one query row's per-split partial softmaxes (flash-decoding) into out + off:
+// split sp has max m_sp = max_of(sp), exp-sum sum_of(sp) and unnormalised P V acc_of(sp).
+template <typename MaxOf, typename SumOf, typename AccOf>
+void merge_splits(int64_t num_splits, const MaxOf& max_of, const SumOf& sum_of, const AccOf& acc_of, int64_t d,
+                  const torch::Tensor& out, int64_t off) {
   float m = -INFINITY;
-  for (int64_t sp = 0; sp < row_splits; ++sp) m = std::max(m, p.pmax[(bh * splits + sp) * rows + r]);
+  for (int64_t sp = 0; sp < num_splits; ++sp) m = std::max(m, max_of(sp));
   float total = 0.0f;
   __m512 acc[16];
   for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t sp = 0; sp < row_splits; ++sp) {
-    const int64_t it = bh * splits + sp;
-    const float w = std::exp(p.pmax[it * rows + r] - m);
-    total += w * p.psum[it * rows + r];
+  for (int64_t sp = 0; sp < num_splits; ++sp) {
+    const float w = std::exp(max_of(sp) - m);
+    total += w * sum_of(sp);
     const __m512 wv = _mm512_set1_ps(w);
-    for (int64_t i = 0; i < d / 16; ++i)
-      acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.pacc.data() + (it * rows + r) * d + 16 * i), acc[i]);
+    const float* a = acc_of(sp);
+    for (int64_t i = 0; i < d / 16; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a + 16 * i), acc[i]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / total);
   if (out.scalar_type() == at::kFloat) {
@@ -441,6 +459,16 @@ void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const 
     at::BFloat16* o = out.data_ptr<at::BFloat16>() + off;
     for (int64_t i = 0; i < d / 16; ++i) store16(o + 16 * i, _mm512_mul_ps(acc[i], inv), 0xffff);
   }
+}
+
+// Combines the splits of row r of batch-head bh into out + off.
+void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const torch::Tensor& out, int64_t off) {
+  const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
+  const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
+  const auto item = [&](int64_t sp) { return (bh * splits + sp) * rows + r; };
+  merge_splits(
+      row_splits, [&](int64_t sp) { return p.pmax[item(sp)]; }, [&](int64_t sp) { return p.psum[item(sp)]; },
+      [&](int64_t sp) { return p.pacc.data() + item(sp) * d; }, d, out, off);
 }
 
 }  // namespace
@@ -469,4 +497,150 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);
   at::parallel_for(0, plan.num_items, 1, [&](int64_t i0, int64_t i1) { fastdraft::attention_items(plan, i0, i1); });
   return fastdraft::attention_finish(plan);
+}
+
+namespace {
+
+// One (sequence, kv head, key split) of paged_attention: its query rows are `rows` rows from
+// row0 on (rows before row0 see no key of the split); partials at `partial` (in rows).
+struct PagedItem {
+  int64_t seq, kv_head, split, row0, rows, partial;
+};
+
+}  // namespace
+
+// A flat batch of sequences over a paged KV pool: q [T, H, D] holds each sequence's new tokens
+// back to back (sequence s: query_start_loc[s]..query_start_loc[s + 1]); k/v_blocks
+// [num_blocks, kv_heads, block_size, D]; sequence s's keys are positions 0..context_lens[s] - 1
+// in the blocks of block_tables[s], its new tokens the last ones, each seeing the keys up to
+// its own. -> out [T, H, D]. Every query row is computed as decode_attention computes it: the
+// same fixed 256-key splits, the same per-row arithmetic, whatever the other rows, the other
+// sequences or the number of new tokens, so prefill, chunked prefill, decode and verification
+// give a row bit-identical results, equal to decode_attention's over the same keys.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_blocks, torch::Tensor v_blocks, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_blocks.dim() == 4 && v_blocks.sizes() == k_blocks.sizes(),
+              "q must be [T, H, D] and k/v blocks [num_blocks, kv_heads, block_size, D]");
+  TORCH_CHECK(q.scalar_type() == k_blocks.scalar_type() && q.scalar_type() == v_blocks.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q, k, v: one dtype, f32 or bf16");
+  TORCH_CHECK(k_blocks.is_contiguous() && v_blocks.is_contiguous(), "k/v blocks must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  query_start_loc.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && context_lens.is_contiguous(),
+              "block tables, query_start_loc and context_lens must be contiguous int64");
+  const auto qc = q.contiguous();
+  const int64_t num_tokens = qc.size(0), heads = qc.size(1), d = qc.size(2);
+  const int64_t kv_heads = k_blocks.size(1), block_size = k_blocks.size(2), num_blocks = k_blocks.size(0);
+  const int64_t num_seqs = context_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_blocks.size(3) == d && d % 16 == 0 && d <= 256, "head_dim must match, a multiple of 16 up to 256");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "query_start_loc must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
+  const int64_t group = heads / kv_heads;
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must run from 0 to T");
+  std::vector<int64_t> token_seq(num_tokens);
+  std::vector<PagedItem> items;
+  std::vector<int64_t> seq_item(num_seqs + 1, 0);
+  int64_t num_partial = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t num_new = qsl[s + 1] - qsl[s], len = ctx[s];
+    TORCH_CHECK(num_new >= 1 && num_new <= len && len <= max_blocks * block_size,
+                "each sequence needs 1..context_len new tokens within its block table");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks, "block id out of range");
+    for (int64_t t = qsl[s]; t < qsl[s + 1]; ++t) token_seq[t] = s;
+    const int64_t splits = (len + kKeysPerSplit - 1) / kKeysPerSplit, cached = len - num_new;
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        // Token t sees keys 0..cached + t: the split's first key l0 needs t >= l0 - cached.
+        const int64_t first = std::max<int64_t>(0, sp * kKeysPerSplit - cached);
+        const int64_t rows = (num_new - first) * group;
+        items.push_back({s, g, sp, first * group, rows, num_partial});
+        num_partial += rows;
+      }
+    seq_item[s + 1] = static_cast<int64_t>(items.size());
+  }
+  const bool is_bf16_dot = qc.scalar_type() == at::kBFloat16 && d % 32 == 0 && fastdraft::cpu_has_avx512_bf16();
+  // Each (sequence, kv head)'s query rows, token-major [num_new * group, D], at
+  // (query_start_loc[s] * heads + kv_head * num_new * group) * D: as bf16 pairs for the
+  // AVX512-BF16 path, else pre-scaled fp32 (one fp32 product per element).
+  auto packed = torch::empty({num_tokens * heads * d}, qc.options().dtype(is_bf16_dot ? at::kBFloat16 : at::kFloat));
+  const auto pack_offset = [&](int64_t s, int64_t g) { return (qsl[s] * heads + g * (qsl[s + 1] - qsl[s]) * group) * d; };
+  at::parallel_for(0, num_tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = token_seq[t], tl = t - qsl[s];
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t dst = pack_offset(s, g) + tl * group * d, src = (t * heads + g * group) * d;
+        if (is_bf16_dot) {
+          std::memcpy(packed.data_ptr<at::BFloat16>() + dst, qc.data_ptr<at::BFloat16>() + src,
+                      group * d * sizeof(at::BFloat16));
+        } else {
+          float* out = packed.data_ptr<float>() + dst;
+          const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+          with_dtype(qc, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            const T* in = qc.data_ptr<T>() + src;
+            for (int64_t i = 0; i < group * d; i += 16) store16(out + i, _mm512_mul_ps(load16(in + i, 0xffff), vscale), 0xffff);
+          });
+        }
+      }
+    }
+  });
+  std::vector<float> pmax(num_partial), psum(num_partial), pacc(num_partial * d);
+  const bool is_l2 = fastdraft::is_amd_cpu();  // into L2 there, see kKeysAhead
+  const int64_t shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> num_keys;
+    for (int64_t it = i0; it < i1; ++it) {
+      const PagedItem& item = items[it];
+      const int64_t s = item.seq, len = ctx[s], num_new = qsl[s + 1] - qsl[s];
+      const int64_t l0 = item.split * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
+      num_keys.resize(item.rows);
+      for (int64_t r = 0; r < item.rows; ++r)
+        num_keys[r] = std::clamp<int64_t>(len - num_new + 1 + (item.row0 + r) / group - l0, 0, l1 - l0);
+      const int64_t q_off = pack_offset(s, item.kv_head) + item.row0 * d;
+      float* mo = pmax.data() + item.partial;
+      float* so = psum.data() + item.partial;
+      float* ao = pacc.data() + item.partial * d;
+      const int64_t* table = tables + s * max_blocks;
+      const int64_t block_stride = kv_heads * block_size * d, head_off = item.kv_head * block_size * d;
+      with_dtype(qc, [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        const BlockRows<T> k_rows{k_blocks.data_ptr<T>() + head_off, table, block_stride, d, shift, block_size - 1};
+        const BlockRows<T> v_rows{v_blocks.data_ptr<T>() + head_off, table, block_stride, d, shift, block_size - 1};
+        const float* qf = is_bf16_dot ? nullptr : packed.data_ptr<float>() + q_off;
+        const uint32_t* pairs = nullptr;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (is_bf16_dot) pairs = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>() + q_off);
+        }
+        const float sc = is_bf16_dot ? static_cast<float>(scale) : 1.0f;
+        if (is_l2)
+          attend_split<T, true>(qf, pairs, sc, k_rows, v_rows, item.rows, d, l0, l1, num_keys.data(), mo, so, ao);
+        else
+          attend_split<T, false>(qf, pairs, sc, k_rows, v_rows, item.rows, d, l0, l1, num_keys.data(), mo, so, ao);
+      });
+    }
+  });
+  auto out = torch::empty({num_tokens, heads, d}, qc.options());
+  at::parallel_for(0, num_tokens, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = token_seq[t], tl = t - qsl[s], len = ctx[s], num_new = qsl[s + 1] - qsl[s];
+      const int64_t splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
+      const int64_t row_splits = (len - num_new + 1 + tl + kKeysPerSplit - 1) / kKeysPerSplit;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t g = h / group, r = tl * group + h % group;
+        const PagedItem* first = items.data() + seq_item[s] + g * splits;
+        const auto row = [&](int64_t sp) { return first[sp].partial + r - first[sp].row0; };
+        merge_splits(
+            row_splits, [&](int64_t sp) { return pmax[row(sp)]; }, [&](int64_t sp) { return psum[row(sp)]; },
+            [&](int64_t sp) { return pacc.data() + row(sp) * d; }, d, out, (t * heads + h) * d);
+      }
+    }
+  });
+  return out;
 }
