@@ -49,7 +49,7 @@ class LLM:
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
                  draft_device: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, kv_cache_memory: float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True) -> None:
         loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         self.tokenizer = loaded.tokenizer
         self.generator: TextGenerator | None = None
@@ -62,7 +62,7 @@ class LLM:
             self.engine = LLMEngine(loaded, EngineConfig(
                 block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching))
+                enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant))
 
     def generate(self, prompts: str | list[str], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -51,7 +51,11 @@ class EngineConfig:
 
     ``kv_cache_memory`` (GiB) sizes the block pool; by default it is ``KV_CACHE_MEMORY_FRACTION``
     of the available memory, capped at what ``max_num_seqs`` sequences of ``max_model_len``
-    tokens could use. ``num_blocks`` sets the pool's size directly instead."""
+    tokens could use. ``num_blocks`` sets the pool's size directly instead.
+
+    ``batch_invariant`` runs every step in :func:`fastdraft.kernels.mode.batch_invariant`: a
+    sequence's logits, bit for bit, do not depend on what else runs, on how its prompt was
+    chunked, on preemption or on the prefix cache (see docs/architecture.md for its cost)."""
 
     block_size: int = 16
     kv_cache_memory: float | None = None
@@ -61,6 +65,7 @@ class EngineConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_model_len < 1:
@@ -139,7 +144,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.config.enable_chunked_prefill), self.block_manager)
         self.eos_token_ids = set(loaded.config.eos_token_ids or [])
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, self.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, self.eos_token_ids,
+                                  batch_invariant=self.config.batch_invariant)
         self._requests: dict[str, _Request] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}  # outputs waiting for generate()'s reader
         self._ids = itertools.count()

@@ -9,6 +9,7 @@ from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.generate import make_generator
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
+from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.sampler import apply_penalties, sample
 from fastdraft.models.llama import LlamaForCausalLM
@@ -21,15 +22,17 @@ class ModelRunner:
     model once over every scheduled token, computes logits only for the rows that sample
     (a sequence's last token), and samples each of those rows with its own request's
     parameters and generator: a seeded request's draws never depend on what else runs (its
-    logits do not either where every kernel is row-invariant)."""
+    logits do not either: with ``batch_invariant`` each step runs in
+    :func:`~fastdraft.kernels.mode.batch_invariant` mode, where every kernel is row-invariant)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 eos_token_ids: set[int] | None = None) -> None:
+                 eos_token_ids: set[int] | None = None, batch_invariant: bool = True) -> None:
         if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
             raise ValueError("the KV cache and the block manager must agree on block size and count")
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
+        self.batch_invariant = batch_invariant
         self._generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
         # The log-probabilities of the last step's sampled tokens, for requests that ask
@@ -81,10 +84,11 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[int, int]:
         """Run ``output``'s step; the sampled token of each sequence that sampled, by ``seq_id``."""
         input_ids, meta, sample_rows, samplers = self.prepare(output)
-        hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
-        if not sample_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
+        with batch_invariant(self.batch_invariant):
+            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
+            if not sample_rows:
+                return {}
+            logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
         self.last_logprobs = {}
         sampled = {}
         for i, seq in enumerate(samplers):

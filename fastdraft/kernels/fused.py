@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.reference import apply_rotary
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -191,11 +192,13 @@ def reference_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; for up to 8 bf16 rows on a CPU with AVX512-BF16, fastdraft's
     dot-product kernel (``csrc/woq_x86.cpp``), which reads the weight 1.5-1.95x faster than
-    oneDNN at one row and computes each row the same way whatever the number of rows."""
+    oneDNN at one row and computes each row the same way whatever the number of rows. In
+    :func:`~fastdraft.kernels.mode.batch_invariant` mode, that kernel runs at every row count."""
     is_autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     ext = None if is_autograd or x.dtype != torch.bfloat16 else _extension_for(x, weight)
     if ext is not None:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        if ext.dense_bf16_applies(rows, weight, bias):
+        if ext.dense_bf16_applies(rows, weight, bias) or (is_batch_invariant()
+                                                         and ext.dense_bf16_supports(rows, weight, bias)):
             return ext.dense_bf16_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -39,6 +39,7 @@ from fastdraft.formats import QuantizedWeight, sym_zero_point, unpack_int4, unpa
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import cpu_flags, load_x86_extension
 from fastdraft.kernels.memory import huge_page_copy
+from fastdraft.kernels.mode import is_batch_invariant
 
 TILE = 16
 K_ALIGN = 128
@@ -205,7 +206,7 @@ class X86WoqKernel(WeightOnlyKernel):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= self.large_m:
+        if x2.shape[0] >= self.large_m and not is_batch_invariant():
             y = F.linear(x2, self.dense_weight(x.dtype))
         else:
             y = self.ext.woq_linear(x2, *self._args, *self._geometry)

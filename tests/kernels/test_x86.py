@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from fastdraft.formats import PER_CHANNEL, dequantize, quantize, unpack_int6
 from fastdraft.kernels import fused, select_kernel
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.mode import batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
 from fastdraft.layers.sampler import greedy_ids
 from tests.helpers import assert_tokens_equal_one_token_calls
@@ -67,6 +68,16 @@ def test_large_m_path_dequantizes_exactly(dtype, scheme):
     x = torch.randn(6, 320).to(dtype)
     expected = F.linear(x, dequantize(qw, dtype))
     assert torch.allclose(kernel(x).float(), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_mode_keeps_large_m_on_the_row_invariant_kernel():
+    qw = quantize(torch.randn(50, 320), 4, 64, sym=True)
+    kernel = X86WoqKernel(qw, torch.bfloat16, CPU, large_m=4)
+    x = torch.randn(6, 320).to(torch.bfloat16)
+    with batch_invariant():
+        together = kernel(x)
+        assert torch.equal(kernel(x[3:4])[0], together[3])
+    assert torch.equal(together, X86WoqKernel(qw, torch.bfloat16, CPU, large_m=None)(x))
 
 
 def test_int8_dense_weight_and_bf16_output():
@@ -279,6 +290,24 @@ def test_dense_bf16_kernel_matches_twin_and_is_row_invariant(n, k, has_bias):
                                    rtol=2**-7, atol=1e-3 * k ** 0.5)
         for m in range(rows):
             assert torch.equal(y[m], one_row[m][0])
+
+
+@needs_dense_bf16
+@pytest.mark.parametrize("n, k", [(37, 64), (4099, 96)])
+def test_dense_bf16_kernel_is_row_invariant_at_every_row_count_in_batch_invariant_mode(n, k):
+    torch.manual_seed(1)
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(203, k).bfloat16()
+    one_row = fused.dense_linear(x[150:151], w, bias)  # [1, n]
+    with batch_invariant():
+        for rows in (9, 17, 203):
+            y = fused.dense_linear(x[:rows], w, bias)  # [rows, n]
+            torch.testing.assert_close(y.float(), fused.reference_dense_linear(x[:rows], w, bias).float(),
+                                       rtol=2**-7, atol=1e-3 * k ** 0.5)
+            assert torch.equal(y[:8], fused.dense_linear(x[:8], w, bias))
+        assert torch.equal(y[150], one_row[0])
+        with batch_invariant(False):  # the mode is scoped: oneDNN runs large row counts again
+            assert torch.equal(fused.dense_linear(x, w, bias), F.linear(x, w, bias))
 
 
 def test_dense_linear_falls_back_to_f_linear():

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 using namespace fastdraft::simd;
@@ -352,19 +353,55 @@ void dense_m(const at::BFloat16* w, int64_t n, int64_t k, const at::BFloat16* x,
   });
 }
 
+// More than kDenseMaxRows rows (batch-invariant mode): each block of R weight rows meets the
+// rows of x 8 at a time while it is in cache, and every output is computed exactly as at M <= 8.
+void dense_tiled(const at::BFloat16* w, int64_t n, int64_t k, const at::BFloat16* x, int64_t m, const float* bias,
+                 at::BFloat16* out) {
+  constexpr int R = 4, MT = 6;  // 4 x 6 accumulators, 6 x rows and a weight line fit the 32 registers
+  const int64_t num_blocks = n / R;
+  at::parallel_for(0, num_blocks + (n % R ? 1 : 0), 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m0 = 0; m0 < m; m0 += MT) {
+        const at::BFloat16* xt = x + m0 * k;
+        at::BFloat16* ot = out + m0 * n;
+        const int64_t mt = std::min<int64_t>(MT, m - m0);
+        const auto rows = [&](auto tag) {
+          constexpr int MT = decltype(tag)::value;
+          if (b < num_blocks) {
+            dense_rows<MT, R>(w, k, xt, bias, ot, n, b * R);
+          } else {
+            for (int64_t r = num_blocks * R; r < n; ++r) dense_rows<MT, 1>(w, k, xt, bias, ot, n, r);
+          }
+        };
+        switch (mt) {
+          case 1: rows(std::integral_constant<int, 1>{}); break;
+          case 2: rows(std::integral_constant<int, 2>{}); break;
+          case 3: rows(std::integral_constant<int, 3>{}); break;
+          case 4: rows(std::integral_constant<int, 4>{}); break;
+          case 5: rows(std::integral_constant<int, 5>{}); break;
+          default: rows(std::integral_constant<int, MT>{}); break;
+        }
+      }
+  });
+}
+
 }  // namespace
 
-bool fastdraft::dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+bool fastdraft::dense_bf16_supports(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
   return cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-         x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kDenseMaxRows && x.size(1) % 32 == 0 &&
+         x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 && x.size(1) % 32 == 0 &&
          w.size(1) == x.size(1) && w.is_contiguous() && !x.is_cuda() && !w.is_cuda() &&
          (!bias.defined() || (bias.scalar_type() == at::kBFloat16 && bias.numel() == w.size(0)));
 }
 
+bool fastdraft::dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  return dense_bf16_supports(x, w, bias) && x.size(0) <= kDenseMaxRows;
+}
+
 torch::Tensor fastdraft::dense_bf16_linear(const torch::Tensor& x_in, const torch::Tensor& w,
                                            const torch::Tensor& bias) {
-  TORCH_CHECK(dense_bf16_applies(x_in, w, bias), "dense_bf16_linear: x [M <= 8, K % 32 == 0], W [N, K] and bias "
-                                                "[N], all bf16, W contiguous, on a CPU with AVX512-BF16");
+  TORCH_CHECK(dense_bf16_supports(x_in, w, bias), "dense_bf16_linear: x [M, K % 32 == 0], W [N, K] and bias "
+                                                 "[N], all bf16, W contiguous, on a CPU with AVX512-BF16");
   const auto x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   torch::Tensor bias_f;
@@ -382,7 +419,8 @@ torch::Tensor fastdraft::dense_bf16_linear(const torch::Tensor& x_in, const torc
     case 5: dense_m<5>(wp, n, k, xp, bp, op); break;
     case 6: dense_m<6>(wp, n, k, xp, bp, op); break;
     case 7: dense_m<7>(wp, n, k, xp, bp, op); break;
-    default: dense_m<8>(wp, n, k, xp, bp, op); break;
+    case 8: dense_m<8>(wp, n, k, xp, bp, op); break;
+    default: dense_tiled(wp, n, k, xp, m, bp, op); break;
   }
   return out;
 }
@@ -611,9 +649,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return fastdraft::dense_bf16_applies(x, w, bias ? *bias : torch::Tensor());
   }, "whether dense_bf16_linear takes these x, W and bias", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("dense_bf16_supports", [](torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+    return fastdraft::dense_bf16_supports(x, w, bias ? *bias : torch::Tensor());
+  }, "whether dense_bf16_linear takes these x, W and bias at any row count", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
   m.def("dense_bf16_linear", [](torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
     return fastdraft::dense_bf16_linear(x, w, bias ? *bias : torch::Tensor());
-  }, "x [M <= 8, K] W^T (+ bias), dense bf16, AVX512-BF16 dot products, row-invariant",
+  }, "x [M, K] W^T (+ bias), dense bf16, AVX512-BF16 dot products, row-invariant at every M",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("woq_linear", &woq_linear, "INT4/INT6/INT8 weight-only linear (AVX-512 VNNI)");
   m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT6/INT8 weight");

@@ -48,9 +48,10 @@ inline bool cpu_has_avx512_bf16() {
   return has;
 }
 
-// Dense bf16 weights, few rows (woq_x86.cpp): whether the kernel takes x [M, K], W [N, K] and
-// bias (may be undefined), and x W^T (+ bias, added in fp32) as bf16 [M, N], each row computed
-// the same way whatever M.
+// Dense bf16 weights (woq_x86.cpp): whether the kernel takes x [M, K], W [N, K] and bias (may be
+// undefined) at any M (supports) and at the few rows where it is the fastest kernel (applies);
+// and x W^T (+ bias, added in fp32) as bf16 [M, N], each row computed the same way whatever M.
+bool dense_bf16_supports(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
 bool dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
 torch::Tensor dense_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
 
