@@ -3,6 +3,8 @@ that reached the end of its tokens."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
@@ -11,7 +13,7 @@ from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.sampler import apply_penalties, sample
+from fastdraft.layers.sampler import apply_penalties, sample_batch
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -38,6 +40,9 @@ class ModelRunner:
         # The log-probabilities of the last step's sampled tokens, for requests that ask
         # (seq_id -> (chosen token's logprob, [(token id, logprob)] of the top ``logprobs``)).
         self.last_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        # Wall time spent preparing and running the model, and sampling, over all steps.
+        self.forward_seconds = 0.0
+        self.sample_seconds = 0.0
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""
@@ -83,26 +88,37 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[int, int]:
         """Run ``output``'s step; the sampled token of each sequence that sampled, by ``seq_id``."""
+        start = time.perf_counter()
         input_ids, meta, sample_rows, samplers = self.prepare(output)
         with batch_invariant(self.batch_invariant):
             hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
-            if not sample_rows:
-                return {}
-            logits = self.model.compute_logits(hidden[0, sample_rows])  # [num_sampling_seqs, vocab_size]
-        self.last_logprobs = {}
-        sampled = {}
+            logits = self.model.compute_logits(hidden[0, sample_rows]) if sample_rows else None
+        self.forward_seconds += time.perf_counter() - start
+        if logits is None:
+            return {}
+        # logits: [num_sampling_seqs, vocab_size]
+        start = time.perf_counter()
+        processed = logits  # copied on the first row a penalty or min_tokens changes
         for i, seq in enumerate(samplers):
             params = seq.params
-            row = apply_penalties(logits[i], seq.prompt_token_ids, seq.output_token_ids, params)  # [vocab_size]
+            original = logits[i]  # [vocab_size]
+            row = apply_penalties(original, seq.prompt_token_ids, seq.output_token_ids, params)
             if len(seq.output_token_ids) < params.min_tokens and self.eos_token_ids:
                 eos_ids = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=row.device)
                 row = row.index_fill(0, eos_ids, float("-inf"))
-            token = int(sample(row.unsqueeze(0), params, self._generator(seq)))
-            sampled[seq.seq_id] = token
-            if params.logprobs is not None:
+            if row is not original:
+                processed = logits.clone() if processed is logits else processed
+                processed[i] = row
+        token_ids = sample_batch(processed, [seq.params for seq in samplers],
+                                 [self._generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]
+        self.last_logprobs = {}
+        for i, (seq, token) in enumerate(zip(samplers, token_ids)):
+            num_top = seq.params.logprobs
+            if num_top is not None:
                 # Of the model's own distribution, before penalties and temperature (as vLLM reports them).
                 logprobs = torch.log_softmax(logits[i], dim=-1)  # [vocab_size]
-                top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+                top = torch.topk(logprobs, num_top) if num_top else None
                 pairs = [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)]
                 self.last_logprobs[seq.seq_id] = (float(logprobs[token]), pairs)
-        return sampled
+        self.sample_seconds += time.perf_counter() - start
+        return {seq.seq_id: token for seq, token in zip(samplers, token_ids)}

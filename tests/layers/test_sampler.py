@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdraft.layers.sampler import (greedy_ids, logits_to_probs, reference_sample_from_probs, sample,
-                                      sample_from_probs)
+                                      sample_batch, sample_from_probs)
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -113,6 +113,33 @@ def test_top_k_and_top_p_combine():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.999))
     assert torch.nonzero(p[0]).flatten().tolist() == [0, 1, 2]
+
+
+def test_top_p_beyond_the_candidates_sorts_the_whole_row():
+    # A flat row over 2000 tokens: the nucleus at top_p 0.9 holds ~1800 of them, more than the
+    # top-k candidates searched first.
+    torch.manual_seed(0)
+    logits = torch.randn(1, 2000) * 0.01
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    is_kept = (sorted_probs.cumsum(dim=-1) - sorted_probs) < 0.9
+    assert 1000 < int(is_kept.sum()) < 2000
+    assert set(torch.nonzero(p[0]).flatten().tolist()) == set(sorted_ids[is_kept].tolist())
+
+
+def test_sample_batch_gives_each_row_what_it_gets_alone():
+    # Each row with its own parameters and generator: the very token sample() draws for it alone.
+    torch.manual_seed(1)
+    logits = torch.randn(12, 3000) * 4
+    logits[3] *= 0.001  # a flat row: top-p falls back to a full sort there
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=[0, 40, 0][i % 3],
+                             top_p=[1.0, 0.9, 0.5][i % 3], seed=i) for i in range(12)]
+    together = sample_batch(logits, params, [_gen(i) for i in range(12)])
+    alone = [int(sample(logits[i:i + 1], params[i], _gen(i))) for i in range(12)]
+    assert together.tolist() == alone
+    with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
+        sample_batch(logits, params[:3], [None] * 3)
 
 
 def test_sample_from_probs_shapes_and_zero_mass():
