@@ -9,6 +9,12 @@ generated after that, over the time until all N sequences are done), end-to-end 
 the process's peak RSS so far (the runs go from the baseline to the largest N, so each row's
 figure covers that run and those before it).
 
+It also prints the compute ceiling of batched decoding derived from the same run's prefill
+rate (a decode token costs about ``--decode-cost`` prefill tokens: the LM head runs for every
+decoded row), each batched row's share of it and its ratio to ``llama-batched-bench`` at the
+same N, and the share of the engine's step time spent sampling. ``--mode-cost N`` adds the
+cost of batch-invariant mode: N sequences with the mode on and off, alternating, medians.
+
     python benchmarks/bench_throughput.py --model qwen2.5-coder-0.5b-instruct --num-seqs 1,4,16,32
     python benchmarks/bench_throughput.py --llama-batched-bench ./llama.cpp/build/bin/llama-batched-bench
 """
@@ -16,9 +22,11 @@ figure covers that run and those before it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -48,12 +56,13 @@ def make_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
     return [ids[i * stride:i * stride + length] for i in range(num)]
 
 
-def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_tokens: int) -> dict:
+def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_tokens: int,
+                params: SamplingParams, batch_invariant: bool) -> dict:
     num = len(prompts)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=num, max_num_batched_tokens=max_batched_tokens,
                                             max_model_len=len(prompts[0]) + new_tokens + 1,
-                                            enable_prefix_caching=False))
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+                                            enable_prefix_caching=False, batch_invariant=batch_invariant))
+    params = dataclasses.replace(params, max_new_tokens=new_tokens)
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -71,12 +80,12 @@ def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_t
     return {"num_seqs": num, "prefill_tok_s": prompt_tokens / (prefilled_at - start),
             "gen_tok_s": generated_after / (end - prefilled_at) if end > prefilled_at else 0.0,
             "total_tok_s": (prompt_tokens + num * new_tokens) / (end - start), "seconds": end - start,
+            "sample_share": engine.runner.sample_seconds / (engine.runner.sample_seconds + engine.runner.forward_seconds),
             "peak_rss_mb": peak_rss_mb()}
 
 
-def run_sequential(loaded, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_sequential(loaded, prompts: list[list[int]], new_tokens: int, params: SamplingParams) -> dict:
     generator = TextGenerator(loaded, max_seq_len=len(prompts[0]) + new_tokens + 1)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prefill_s = decode_s = 0.0
     start = time.perf_counter()
     for p in prompts:
@@ -118,6 +127,15 @@ def main() -> None:
     parser.add_argument("--sequential-requests", type=int, default=4,
                         help="requests run one at a time for the sequential baseline (0: skip it)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--batch-invariant", choices=["on", "off"], default="on",
+                        help="the engine's batch-invariant mode for the batched rows (default on, as the engine)")
+    parser.add_argument("--mode-cost", type=int, default=0, metavar="N",
+                        help="also time N sequences with batch-invariant mode on and off, alternating (0: skip)")
+    parser.add_argument("--mode-cost-rounds", type=int, default=3)
+    parser.add_argument("--decode-cost", type=float, default=1.4,
+                        help="prefill tokens one decode token costs, for the ceiling (default 1.4)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--llama-batched-bench", type=Path, default=None,
                         help="path to llama.cpp's llama-batched-bench binary (skipped without it)")
@@ -139,18 +157,33 @@ def main() -> None:
     if config is not None and not config.is_gguf_native:
         quantize_model(loaded.model, config, show_progress=False)
     label = "bf16" if config is None else config.label
-    prompts = make_prompts(loaded.tokenizer, max(args.num_seqs + [args.sequential_requests]), args.prompt_tokens)
-    run_batched(loaded, prompts[:2], 4, args.max_num_batched_tokens)  # warm-up: kernels built, caches touched
+    prompts = make_prompts(loaded.tokenizer, max(args.num_seqs + [args.sequential_requests, args.mode_cost]),
+                           args.prompt_tokens)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=args.temperature,
+                            top_p=args.top_p, seed=0)
+    is_invariant = args.batch_invariant == "on"
+    # Warm-up: kernels built, caches touched.
+    run_batched(loaded, prompts[:2], 4, args.max_num_batched_tokens, params, is_invariant)
     results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "fastdraft": label, "rows": []}
     if args.sequential_requests:
         row = {"system": f"fastdraft {label}, one request at a time",
-               **run_sequential(loaded, prompts[:args.sequential_requests], args.new_tokens)}
+               **run_sequential(loaded, prompts[:args.sequential_requests], args.new_tokens, params)}
         results["rows"].append(row)
     for num in args.num_seqs:
         results["rows"].append({"system": f"fastdraft {label}, batched",
-                                **run_batched(loaded, prompts[:num], args.new_tokens, args.max_num_batched_tokens)})
+                                **run_batched(loaded, prompts[:num], args.new_tokens, args.max_num_batched_tokens,
+                                              params, is_invariant)})
         write_json(args.json, results)
+    mode_runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for _ in range(args.mode_cost_rounds if args.mode_cost else 0):
+        for mode in ("on", "off"):
+            mode_runs[mode].append(run_batched(loaded, prompts[:args.mode_cost], args.new_tokens,
+                                               args.max_num_batched_tokens, params, mode == "on"))
+    if args.mode_cost:
+        results["mode_cost"] = {mode: {key: statistics.median(r[key] for r in runs)
+                                       for key in ("prefill_tok_s", "gen_tok_s", "total_tok_s")}
+                                for mode, runs in mode_runs.items()}
     if args.llama_batched_bench is not None:
         for row in run_llama_batched_bench(args.llama_batched_bench, original_gguf(args.model), args):
             results["rows"].append({"system": "llama-batched-bench (original GGUF)", **row})
@@ -158,12 +191,32 @@ def main() -> None:
 
     print(f"\n### {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
           f"{args.threads} threads\n")
-    print("| system | N | prefill tok/s | generation tok/s | total tok/s | peak RSS so far, MB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    sampling = "greedy" if params.is_greedy else f"temperature {args.temperature}, top_p {args.top_p}"
+    print(f"sampling: {sampling}; batch-invariant mode {args.batch_invariant}\n")
+    batched = [r for r in results["rows"] if r["system"].endswith("batched")]
+    peer = {r["num_seqs"]: r["gen_tok_s"] for r in results["rows"] if r["system"].startswith("llama")}
+    # The ceiling: the largest batched run's prefill rate, over what one decode token costs in prefill tokens.
+    ceiling = max(r["prefill_tok_s"] for r in batched) / args.decode_cost if batched else 0.0
+    print("| system | N | prefill tok/s | generation tok/s | total tok/s | of ceiling | vs llama.cpp | "
+          "sampling share | peak RSS so far, MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["rows"]:
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else ""
+        is_batched = r in batched
+        share = f"{r['gen_tok_s'] / ceiling:.0%}" if is_batched and ceiling else ""
+        ratio = f"{r['gen_tok_s'] / peer[r['num_seqs']]:.2f}x" if is_batched and r["num_seqs"] in peer else ""
+        sample_share = f"{r['sample_share']:.1%}" if "sample_share" in r else ""
         print(f"| {r['system']} | {r['num_seqs']} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | "
-              f"{r['total_tok_s']:.1f} | {rss} |")
+              f"{r['total_tok_s']:.1f} | {share} | {ratio} | {sample_share} | {rss} |")
+    print(f"\nceiling of batched decoding: {ceiling:.0f} tok/s (best batched prefill / {args.decode_cost})")
+    if args.mode_cost:
+        on, off = results["mode_cost"]["on"], results["mode_cost"]["off"]
+        print(f"\nbatch-invariant mode at N = {args.mode_cost}, medians of {args.mode_cost_rounds} alternating runs:")
+        print("| mode | prefill tok/s | generation tok/s | total tok/s |\n|---|---:|---:|---:|")
+        for mode, r in (("on", on), ("off", off)):
+            print(f"| {mode} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | {r['total_tok_s']:.1f} |")
+        print(f"| on / off | {on['prefill_tok_s'] / off['prefill_tok_s']:.3f} | "
+              f"{on['gen_tok_s'] / off['gen_tok_s']:.3f} | {on['total_tok_s'] / off['total_tok_s']:.3f} |")
     print(f"\nresults written to {args.json}")
 
 

@@ -358,31 +358,37 @@ void dense_m(const at::BFloat16* w, int64_t n, int64_t k, const at::BFloat16* x,
 void dense_tiled(const at::BFloat16* w, int64_t n, int64_t k, const at::BFloat16* x, int64_t m, const float* bias,
                  at::BFloat16* out) {
   constexpr int R = 4, MT = 6;  // 4 x 6 accumulators, 6 x rows and a weight line fit the 32 registers
+  // Every block of weight rows meets all the rows of x: x is taken in blocks of rows that stay
+  // in L2 (each weight block then reads them from there), and the weights stream once per block.
+  constexpr int64_t kXBlockBytes = 384 * 1024;
+  const int64_t m_block = std::max<int64_t>(MT, kXBlockBytes / (2 * k) / MT * MT);
   const int64_t num_blocks = n / R;
-  at::parallel_for(0, num_blocks + (n % R ? 1 : 0), 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m0 = 0; m0 < m; m0 += MT) {
-        const at::BFloat16* xt = x + m0 * k;
-        at::BFloat16* ot = out + m0 * n;
-        const int64_t mt = std::min<int64_t>(MT, m - m0);
-        const auto rows = [&](auto tag) {
-          constexpr int MT = decltype(tag)::value;
-          if (b < num_blocks) {
-            dense_rows<MT, R>(w, k, xt, bias, ot, n, b * R);
-          } else {
-            for (int64_t r = num_blocks * R; r < n; ++r) dense_rows<MT, 1>(w, k, xt, bias, ot, n, r);
+  for (int64_t mb = 0; mb < m; mb += m_block) {
+    const int64_t mb_end = std::min(m, mb + m_block);
+    at::parallel_for(0, num_blocks + (n % R ? 1 : 0), 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t m0 = mb; m0 < mb_end; m0 += MT) {
+          const at::BFloat16* xt = x + m0 * k;
+          at::BFloat16* ot = out + m0 * n;
+          const auto rows = [&](auto tag) {
+            constexpr int T = decltype(tag)::value;
+            if (b < num_blocks) {
+              dense_rows<T, R>(w, k, xt, bias, ot, n, b * R);
+            } else {
+              for (int64_t r = num_blocks * R; r < n; ++r) dense_rows<T, 1>(w, k, xt, bias, ot, n, r);
+            }
+          };
+          switch (std::min<int64_t>(MT, mb_end - m0)) {
+            case 1: rows(std::integral_constant<int, 1>{}); break;
+            case 2: rows(std::integral_constant<int, 2>{}); break;
+            case 3: rows(std::integral_constant<int, 3>{}); break;
+            case 4: rows(std::integral_constant<int, 4>{}); break;
+            case 5: rows(std::integral_constant<int, 5>{}); break;
+            default: rows(std::integral_constant<int, MT>{}); break;
           }
-        };
-        switch (mt) {
-          case 1: rows(std::integral_constant<int, 1>{}); break;
-          case 2: rows(std::integral_constant<int, 2>{}); break;
-          case 3: rows(std::integral_constant<int, 3>{}); break;
-          case 4: rows(std::integral_constant<int, 4>{}); break;
-          case 5: rows(std::integral_constant<int, 5>{}); break;
-          default: rows(std::integral_constant<int, MT>{}); break;
         }
-      }
-  });
+    });
+  }
 }
 
 }  // namespace
