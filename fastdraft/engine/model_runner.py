@@ -14,6 +14,8 @@ from fastdraft.engine.sequence import Sequence
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.sampler import apply_penalties, sample_batch
+from fastdraft.layers.linear import has_hooks
+from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -35,6 +37,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.batch_invariant = batch_invariant
+        # All decoder layers of a weight-only model in one C++ call per step, built once here;
+        # None: the model's module path (dense weights, hooks, no CPU kernels, CUDA).
+        self.decoder = self._build_decoder(model)
         self._generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
         # The log-probabilities of the last step's sampled tokens, for requests that ask
@@ -43,6 +48,14 @@ class ModelRunner:
         # Wall time spent preparing and running the model, and sampling, over all steps.
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
+
+    @staticmethod
+    def _build_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
+        if model.device.type != "cpu" or has_hooks(model) or has_hooks(model.model):
+            return None
+        with torch.inference_mode():
+            decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+        return decoder if decoder is not None and decoder.is_weight_only else None
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""
@@ -91,7 +104,7 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, meta, sample_rows, samplers = self.prepare(output)
         with batch_invariant(self.batch_invariant):
-            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta)  # [1, num_tokens, hidden_size]
+            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
             logits = self.model.compute_logits(hidden[0, sample_rows]) if sample_rows else None
         self.forward_seconds += time.perf_counter() - start
         if logits is None:

@@ -17,7 +17,7 @@ from torch import nn
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
-from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache, PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks, is_dense_linear
 from fastdraft.layers.quant_linear import QuantLinear
 
@@ -152,6 +152,23 @@ class FusedDecoder:
         return self.ext.decoder_forward(self.layer_ops, hidden_states, cos, sin, kv_cache.k[:, slot],
                                         kv_cache.v[:, slot], meta.contiguous_start, weight, eps, head,
                                         num_logit_rows)
+
+    @property
+    def is_weight_only(self) -> bool:
+        """Whether every projection is weight-only: what :meth:`forward_paged` needs."""
+        return self.ext.decoder_is_weight_only(self.layer_ops)
+
+    def forward_paged(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """A flat batch of sequences over a paged cache: hidden_states [num_tokens, hidden_size],
+        cos/sin [num_tokens, head_dim] -> hidden states after the last layer (after the final
+        norm too with ``norm``), all layers in one C++ parallel region, bit-identical to the
+        module path."""
+        weight, eps = norm if norm is not None else (None, 0.0)
+        return self.ext.decoder_forward_paged(self.layer_ops, hidden_states, cos, sin, kv_cache.k, kv_cache.v,
+                                              meta.slot_mapping, meta.block_tables, meta.query_start_loc_tensor,
+                                              meta.context_lens_tensor, weight, eps)
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, embed: nn.Embedding,
                rotary: nn.Module, norm: nn.Module, lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:

@@ -16,12 +16,12 @@ from torch import nn
 from fastdraft.config import ModelConfig
 from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import cached_attention
-from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.kv_cache import AttentionMetadata, KVCache, PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import Linear, fused_linears, has_hooks
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.quant_linear import EXACT_MIN_ROWS
 from fastdraft.layers.rotary import RotaryEmbedding
-from fastdraft.models.fused_decoder import fused_decoder_for
+from fastdraft.models.fused_decoder import FusedDecoder, fused_decoder_for
 
 
 
@@ -108,8 +108,20 @@ class LlamaModel(nn.Module):
         self.is_fused_decode_enabled = True
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                min_rows: int = 1) -> torch.Tensor:
+                min_rows: int = 1, decoder: FusedDecoder | None = None) -> torch.Tensor:
+        if decoder is not None and isinstance(meta, PagedAttentionMetadata):
+            return self.forward_paged(input_ids, kv_cache, meta, decoder)
         return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
+
+    def forward_paged(self, input_ids: torch.Tensor, kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
+                      decoder: FusedDecoder) -> torch.Tensor:
+        """A flat batch [1, num_tokens] over a paged cache, every layer and the final norm in
+        ``decoder``'s one C++ call -> final hidden states [1, num_tokens, hidden_size]."""
+        hidden_states = self.embed_tokens(input_ids)[0]  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
+        norm = decoder.norm_args(self.norm)
+        out = decoder.forward_paged(hidden_states, cos[0], sin[0], kv_cache, meta, norm)
+        return (out if norm is not None else self.norm(out)).unsqueeze(0)
 
     def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
                     lm_head: nn.Module, num_logit_rows: int, is_model_unchanged: bool = False) -> torch.Tensor | None:
@@ -174,9 +186,14 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [batch, num_tokens] -> hidden states [batch, num_tokens, hidden_size]."""
-        return self.model(input_ids, kv_cache, meta, self.min_rows)
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                decoder: FusedDecoder | None = None) -> torch.Tensor:
+        """input_ids [batch, num_tokens] -> hidden states [batch, num_tokens, hidden_size].
+
+        ``decoder``: a fused decoder its caller built for this model (the engine's runner), to
+        run a paged flat batch in one C++ call; without it, or for other metadata, the module
+        path."""
+        return self.model(input_ids, kv_cache, meta, self.min_rows, decoder)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., hidden_size] -> fp32 logits [..., vocab_size]."""

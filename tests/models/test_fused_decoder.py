@@ -7,8 +7,9 @@ import torch
 
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.layers.kv_cache import KVCache
-from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, _linear_op, _projections_op, fused_decoder_for
+from fastdraft.layers.kv_cache import KVCache, PagedAttentionMetadata, PagedKVCache
+from fastdraft.models.fused_decoder import (MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op,
+                                            fused_decoder_for)
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 
@@ -282,3 +283,50 @@ def test_output_projection_and_head_biases_match_module_path(tiny_models, dtype,
     [(got, want)] = _decode_logits_both_paths(model, [(3, 3)], seed=1)
     assert torch.equal(got, want)
     assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
+
+
+def _paged_steps(model, decoder) -> list[torch.Tensor]:
+    """Three steps of a flat batch over a paged cache: two prompts (one in two chunks), then
+    decode beside the second chunk, then decode and a verification; hidden states per step."""
+    block_size, vocab = 4, model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, vocab, (30,), generator=gen).tolist() for _ in range(3)]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    cache = PagedKVCache.from_config(model.config, 24, block_size, dtype=model.dtype)
+    # (sequence, first position, number of tokens) per step
+    steps = [[(0, 0, 9), (1, 0, 6)], [(0, 9, 1), (1, 6, 11), (2, 0, 3)], [(0, 10, 1), (1, 17, 1), (2, 3, 5)]]
+    out = []
+    with torch.inference_mode():
+        for step in steps:
+            ids, positions, slots, starts, lens = [], [], [], [0], []
+            for seq, start, num in step:
+                ids += tokens[seq][start:start + num]
+                positions += range(start, start + num)
+                slots += [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + num)]
+                starts.append(starts[-1] + num)
+                lens.append(start + num)
+            meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens,
+                                          torch.tensor([tables[seq] for seq, _, _ in step]))
+            out.append(model(torch.tensor([ids]), cache, meta, decoder))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-int8vo"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
+    model = _model(tiny_models, variant, dtype, quant)
+    with torch.inference_mode():
+        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+    assert decoder is not None and decoder.is_weight_only
+    for got, want in zip(_paged_steps(model, decoder), _paged_steps(model, None)):
+        assert torch.equal(got, want)
+
+
+def test_paged_fused_decoder_needs_weight_only_layers(tiny_models):
+    model = _model(tiny_models, "llama", "bf16", "dense")
+    with torch.inference_mode():
+        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+    assert decoder is not None and not decoder.is_weight_only
+    with pytest.raises(RuntimeError, match="weight-only"):
+        _paged_steps(model, decoder)

@@ -368,12 +368,63 @@ struct LayerCaches {
   }
 };
 
+// Where a forward pass's keys and values go and how its attention runs, for the region below:
+// one sequence's contiguous cache slot (decode and verification), or a flat batch of sequences
+// over a paged pool (the serving engine). replan runs on one thread while no thread uses the
+// plan; rope on each thread's kv heads; items from any thread; finish on each thread's heads.
+struct ContiguousAttention {
+  const LayerCaches& caches;
+  int64_t start;
+  torch::Tensor q_rows;  // [1, kv_heads, T * group, head_dim]
+  fastdraft::AttentionPlan plan;
+
+  void replan(const DecoderLayer& layer, int i, int64_t num_tokens) {
+    if (!q_rows.defined())
+      q_rows = torch::empty({1, layer.num_kv_heads, num_tokens * (layer.num_heads / layer.num_kv_heads), layer.head_dim},
+                            caches.k[i].options());
+    fastdraft::attention_replan(plan, q_rows, caches.k4[i], caches.v4[i], layer.scale, num_tokens, start + num_tokens);
+  }
+  int64_t num_items() const { return plan.num_items; }
+  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const DecoderLayer& layer,
+            int i, int64_t kv0, int64_t kv1) {
+    fastdraft::rope_to_cache_heads(qkv, cos, sin, layer.num_heads, layer.num_kv_heads, layer.head_dim, caches.k[i],
+                                   caches.v[i], start, q_rows, kv0, kv1);
+    fastdraft::attention_scale_q(plan, kv0, kv1);
+  }
+  void items(int64_t begin, int64_t end) { fastdraft::attention_items(plan, begin, end); }
+  void finish(int64_t num_tokens, const torch::Tensor& out, int64_t j0, int64_t j1) const {
+    fastdraft::attention_finish_tokens_heads(plan, num_tokens, out, j0, j1);
+  }
+};
+
+struct PagedAttention {
+  std::vector<torch::Tensor> k_blocks, v_blocks;  // per layer [num_blocks, kv_heads, block_size, head_dim]
+  torch::Tensor slot_mapping, block_tables, query_start_loc, context_lens;
+  fastdraft::PagedAttentionPlan plan;
+
+  void replan(const DecoderLayer& layer, int i, int64_t /*num_tokens*/) {
+    fastdraft::paged_attention_replan(plan, k_blocks[i].scalar_type(), layer.num_heads, k_blocks[i], v_blocks[i],
+                                      block_tables, query_start_loc, context_lens, layer.scale);
+  }
+  int64_t num_items() const { return plan.num_items(); }
+  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const DecoderLayer& /*layer*/,
+            int /*i*/, int64_t kv0, int64_t kv1) {
+    fastdraft::rope_to_paged_cache_heads(qkv, cos, sin, slot_mapping, plan, kv0, kv1);
+    fastdraft::paged_attention_scale_q(plan, kv0, kv1);
+  }
+  void items(int64_t begin, int64_t end) { fastdraft::paged_attention_items(plan, begin, end); }
+  void finish(int64_t /*num_tokens*/, const torch::Tensor& out, int64_t j0, int64_t j1) const {
+    fastdraft::paged_attention_finish_heads(plan, out, j0, j1);
+  }
+};
+
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
 // logits of the last num_logit_rows rows, the head run inside the region like a projection.
+template <typename Attention>
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, const LayerCaches& caches,
-                                     int64_t start, const torch::Tensor& final_norm,
-                                     double eps, const Linear* head, int64_t num_logit_rows) {
+                                     const torch::Tensor& cos, const torch::Tensor& sin, Attention& attention,
+                                     const torch::Tensor& final_norm, double eps, const Linear* head,
+                                     int64_t num_logit_rows) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
   const DecoderLayer& first = *layers[0];
@@ -389,7 +440,6 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   auto resid = h.clone(), mid = torch::empty_like(h), normed = torch::empty_like(h);  // [T, hidden]
   auto attn_out = torch::empty({num_tokens, num_heads * d}, options);
   auto mlp_act = torch::empty({num_tokens, intermediate}, options);
-  auto q_rows = torch::empty({1, num_kv_heads, num_tokens * (num_heads / num_kv_heads), d}, options);
   Projection qkv, o_proj, gate_up, down;
   qkv.bind(*first.qkv, num_tokens, options, nth);
   o_proj.bind(*first.o_proj, num_tokens, options, nth);
@@ -398,7 +448,6 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   Projection lm_head;
   if (head) lm_head.bind(*head, num_logit_rows, options, nth);
   const torch::Tensor head_rows = normed.narrow(0, num_tokens - num_logit_rows, num_logit_rows);
-  fastdraft::AttentionPlan plan;
   WorkSplit attention_split;
   std::vector<int64_t> attention_shares(nth + 1);
   std::exception_ptr error;
@@ -440,9 +489,8 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
                                              std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
         if (tid == 0) {
-          fastdraft::attention_replan(plan, q_rows, caches.k4[i], caches.v4[i], layer.scale, num_tokens,
-                                      start + num_tokens);
-          for (int t = 0; t <= nth; ++t) attention_shares[t] = plan.num_items * t / nth;
+          attention.replan(layer, i, num_tokens);
+          for (int t = 0; t <= nth; ++t) attention_shares[t] = attention.num_items() * t / nth;
           attention_split.reset(attention_shares, 1);
           gate_up.bind(*layer.gate_up, num_tokens, options, nth);
         }
@@ -460,21 +508,19 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           qkv.add_bias(q_size + kv0 * d, q_size + kv1 * d);
           qkv.add_bias(q_size + kv_size + kv0 * d, q_size + kv_size + kv1 * d);
         }
-        fastdraft::rope_to_cache_heads(qkv.out(), cos, sin, num_heads, num_kv_heads, d, caches.k[i],
-                                       caches.v[i], start, q_rows, kv0, kv1);
-        fastdraft::attention_scale_q(plan, kv0, kv1);
+        attention.rope(qkv.out(), cos, sin, layer, i, kv0, kv1);
         if (tid == 0) down.bind(*layer.down, num_tokens, options, nth);
         o_proj.prefetch_share(tid, kSectionPrefetchBytes);
       });
 #pragma omp barrier
       if (failed) break;
-      attention_split.run(tid, [&](int64_t begin, int64_t end) { fastdraft::attention_items(plan, begin, end); });
+      attention_split.run(tid, [&](int64_t begin, int64_t end) { attention.items(begin, end); });
 #pragma omp barrier
       // This thread's query heads of the attention output, and their o_proj activations.
       guarded([&] {
         const int64_t heads_per_unit = std::lcm(o_proj.unit(), d) / d;
         const auto [j0, j1] = unit_share(tid, nth, num_heads, heads_per_unit);
-        fastdraft::attention_finish_tokens_heads(plan, num_tokens, attn_out, j0, j1);
+        attention.finish(num_tokens, attn_out, j0, j1);
         if (j0 < j1) o_proj.quantize(attn_out, j0 * d, j1 == num_heads ? o_proj.k_pad() : j1 * d);
         if (tid == 0 && i + 1 < num_layers) qkv.bind(*layers[i + 1]->qkv, num_tokens, options, nth);
       });
@@ -565,8 +611,9 @@ torch::Tensor run_decoder(const std::vector<std::shared_ptr<DecoderLayer>>& laye
   torch::NoGradGuard no_grad;
   if (is_weight_only) {
     const bool is_head_inside = head && head->is_weight_only();
-    auto out = decoder_forward_region(layers, h, c, s, caches, start, norm, eps,
-                                      is_head_inside ? head.get() : nullptr, num_logit_rows);
+    ContiguousAttention attention{caches, start};
+    auto out = decoder_forward_region(layers, h, c, s, attention, norm, eps, is_head_inside ? head.get() : nullptr,
+                                      num_logit_rows);
     if (!head || is_head_inside) return out;
     return (*head)(out.narrow(0, out.size(0) - num_logit_rows, num_logit_rows).contiguous());
   }
@@ -663,6 +710,35 @@ torch::Tensor decoder_forward(const std::vector<std::shared_ptr<DecoderLayer>>& 
                      caches, start, final_norm.value_or(torch::Tensor()), eps, head, num_logit_rows);
 }
 
+// All layers for a flat batch of sequences over a paged KV pool (the serving engine's step):
+// hidden [T, hidden]; cos/sin [T, head_dim] (each token's own position); k/v_blocks [>=
+// num_layers, num_blocks, kv_heads, block_size, head_dim]; slot_mapping [T]; block_tables,
+// query_start_loc, context_lens as paged_attention takes them. Every projection must be
+// weight-only. Returns the final norm's output [T, hidden] (hidden states without one).
+torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor hidden,
+                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_blocks,
+                                    torch::Tensor v_blocks, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                    torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                    c10::optional<torch::Tensor> final_norm, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
+  TORCH_CHECK(is_all_weight_only(layers), "the paged decoder needs every projection weight-only");
+  TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
+                  k_blocks.size(0) >= static_cast<int64_t>(layers.size()),
+              "k/v blocks must be [>= num_layers, num_blocks, kv_heads, block_size, head_dim]");
+  torch::NoGradGuard no_grad;
+  PagedAttention attention;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    attention.k_blocks.push_back(k_blocks[i]);
+    attention.v_blocks.push_back(v_blocks[i]);
+  }
+  attention.slot_mapping = slot_mapping.contiguous();
+  attention.block_tables = block_tables.contiguous();
+  attention.query_start_loc = query_start_loc.contiguous();
+  attention.context_lens = context_lens.contiguous();
+  return decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
+                                final_norm.value_or(torch::Tensor()), eps, nullptr, 0);
+}
+
 void bind_decoder(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear");
@@ -692,6 +768,13 @@ void bind_decoder(pybind11::module& m) {
         py::arg("layers"), py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("start"), py::arg("final_norm") = py::none(), py::arg("eps") = 0.0,
         py::arg("head") = std::shared_ptr<Linear>(), py::arg("num_logit_rows") = 0);
+  m.def("decoder_is_weight_only", &is_all_weight_only, "whether every projection of these layers is weight-only",
+        py::arg("layers"));
+  m.def("decoder_forward_paged", &decoder_forward_paged,
+        "all decoder layers for a flat batch of sequences over a paged KV pool", py::arg("layers"), py::arg("hidden"),
+        py::arg("cos"), py::arg("sin"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"),
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
+        py::arg("final_norm") = py::none(), py::arg("eps") = 0.0, py::call_guard<py::gil_scoped_release>());
   py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
       .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
                     const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),

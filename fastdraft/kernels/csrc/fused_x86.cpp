@@ -272,3 +272,40 @@ void fastdraft::rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tenso
     }
   });
 }
+
+void fastdraft::rope_to_paged_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                          const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0,
+                                          int64_t g1) {
+  const int64_t t_count = qkv.size(0), d = p.head_dim, group = p.heads / p.kv_heads;
+  const int64_t q_size = p.heads * d, kv_size = p.kv_heads * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size && t_count == p.num_tokens,
+              "qkv must be [T, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t_count && cos.size(1) == d &&
+                  sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type() && qkv.scalar_type() == p.q_rows.scalar_type(),
+              "cos/sin must be [T, head_dim] in qkv's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t_count && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be [T] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = p.k_blocks.size(0) * p.block_size;
+  with_dtype(qkv, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* src = qkv.data_ptr<T>();
+    T* q_out = p.q_rows.data_ptr<T>();
+    T* kc = p.k_blocks.data_ptr<T>();
+    T* vc = p.v_blocks.data_ptr<T>();
+    for (int64_t t = 0; t < t_count; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+      const T* row = src + t * qkv.stride(0);
+      const T* c = cos.data_ptr<T>() + t * d;
+      const T* s = sin.data_ptr<T>() + t * d;
+      const int64_t block = slots[t] >> p.shift, offset = slots[t] & (p.block_size - 1);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t kv_off = ((block * p.kv_heads + g) * p.block_size + offset) * d;
+        rotary_row(row + g * group * d, c, s, q_out + p.q_offset(t, g), group, d);
+        rotary_row(row + q_size + g * d, c, s, kc + kv_off, 1, d);
+        std::memcpy(vc + kv_off, row + q_size + kv_size + g * d, d * sizeof(T));
+      }
+    }
+  });
+}

@@ -134,4 +134,38 @@ torch::Tensor attention_finish(const AttentionPlan& plan);             // -> [B,
 void attention_finish_tokens_heads(const AttentionPlan& plan, int64_t num_tokens, const torch::Tensor& out,
                                    int64_t j0, int64_t j1);
 
+// Paged attention (attention_x86.cpp::paged_attention) as plan -> q -> items -> finish, for a
+// flat batch of sequences over one layer's blocks [num_blocks, kv_heads, block_size, D].
+struct PagedItem {
+  int64_t seq, kv_head, split, row0, rows, partial;  // rows from row0 on; partials at `partial`
+};
+struct PagedAttentionPlan {
+  torch::Tensor k_blocks, v_blocks, block_tables, query_start_loc, context_lens;
+  torch::Tensor q_rows;  // [T * heads * D] in q's dtype: each (sequence, kv head)'s rows, token-major
+  torch::Tensor qf;      // the same, fp32 and scaled, where bf16 dot products do not apply
+  float scale = 1.0f;
+  bool is_bf16_dot = false;
+  int64_t num_tokens = 0, num_seqs = 0, heads = 0, kv_heads = 0, head_dim = 0, block_size = 0, shift = 0;
+  std::vector<int64_t> token_seq, seq_item;  // each token's sequence; each sequence's first item
+  std::vector<PagedItem> items;
+  std::vector<float> pmax, psum, pacc;
+  int64_t num_items() const { return static_cast<int64_t>(items.size()); }
+  // Offset in q_rows/qf of token t's rows of kv head g (rows j = 0..group-1 follow).
+  int64_t q_offset(int64_t t, int64_t g) const;
+};
+// Checks the inputs and lays out the items; q_rows is (re)sized for dtype.
+void paged_attention_replan(PagedAttentionPlan& p, at::ScalarType dtype, int64_t heads, const torch::Tensor& k_blocks,
+                            const torch::Tensor& v_blocks, const torch::Tensor& block_tables,
+                            const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale);
+// Once kv heads [g0, g1)'s q rows are in q_rows: their fp32 scaled copy (fp32 path only).
+void paged_attention_scale_q(PagedAttentionPlan& p, int64_t g0, int64_t g1);
+void paged_attention_items(PagedAttentionPlan& p, int64_t i0, int64_t i1);  // any thread
+// Query heads [j0, j1) of every token into out [T, heads * D].
+void paged_attention_finish_heads(const PagedAttentionPlan& p, const torch::Tensor& out, int64_t j0, int64_t j1);
+// The attention inputs of kv heads [g0, g1) from a flat batch's qkv projection [T, (heads +
+// 2 kv_heads) * d]: q rotated into p.q_rows, k rotated and v into one layer's blocks at each
+// token's slot (slot_mapping [T]). The same rotary arithmetic as rotary().
+void rope_to_paged_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0, int64_t g1);
+
 }  // namespace fastdraft
