@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastdraft pull``, ``models``, ``generate``, ``quantize`` and ``eval``."""
+"""Command-line interface: ``fastdraft pull``, ``models``, ``generate``, ``serve``, ``quantize`` and ``eval``."""
 
 from __future__ import annotations
 
@@ -67,6 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--keep-gguf-quant", action="store_true",
                      help="keep the quantized blocks of the model's GGUF file (a known name or a .gguf path) "
                           "instead of its dequantized weights: the file's own precision")
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
+    srv.add_argument("--model", default=DEFAULT_MODEL, help="known name, HF folder or .gguf path")
+    weights = srv.add_mutually_exclusive_group()
+    weights.add_argument("--quant", default=None, help="quantize first: key=value,... or a JSON file "
+                         "(method=gguf keeps a GGUF file's own blocks)")
+    weights.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"],
+                         default=None, help="quantize on the fly at load time (RTN)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=_port, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    srv.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    srv.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
+    srv.add_argument("--max-model-len", type=_positive_int, default=4096)
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    srv.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    srv.add_argument("--max-queue", type=_positive_int, default=256,
+                     help="waiting requests beyond which new ones get 429 (default 256)")
+    srv.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
+                     help="KV-cache pool size (default: a quarter of the available memory)")
+    srv.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
+    srv.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
+    srv.add_argument("--graceful-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM waits for running requests before exiting (default 30)")
 
     quant = sub.add_parser("quantize", help="quantize a model (one config, or --auto search)")
     quant.add_argument("--model", default=DEFAULT_MODEL)
@@ -179,6 +204,47 @@ def _cmd_generate(args: argparse.Namespace) -> None:
           f"prompt {m.num_prompt_tokens} tokens]", file=sys.stderr)
     if m.spec is not None:
         print(f"[speculative: {m.spec.summary()}]", file=sys.stderr)
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.server.app import ServerConfig, build_app, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quant = parse_quant_spec(args.quant) if args.quant else None  # bad specs fail before the server starts
+    engine_config = EngineConfig(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                                 enable_prefix_caching=not args.no_enable_prefix_caching)
+    template = None
+    if args.chat_template:
+        template = Path(args.chat_template).read_text(encoding="utf-8")
+    config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                          max_queue=args.max_queue, chat_template=template)
+
+    def load_engine() -> LLMEngine:
+        from fastdraft.engine.loader import load_model
+
+        if quant is not None:
+            loaded = _quantized(args.model, quant, args.dtype)
+        else:
+            loaded = load_model(args.model, dtype=args.dtype, load_in_low_bit=args.load_in_low_bit)
+        return LLMEngine(loaded, engine_config)
+
+    serve(build_app(load_engine, config), args.host, args.port, args.graceful_timeout,
+          log_level="info" if args.verbose else "warning")
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:
@@ -326,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}\t{source.description}")
         elif args.command == "generate":
             _cmd_generate(args)
+        elif args.command == "serve":
+            _cmd_serve(args)
         elif args.command == "quantize":
             _cmd_quantize(args)
         elif args.command == "eval":

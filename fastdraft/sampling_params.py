@@ -36,11 +36,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of prompt and output tokens
     min_tokens: int = 0  # EOS cannot be sampled before this many tokens
     logprobs: int | None = None  # report the chosen token's log-probability and this many top ones
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
 
     def uses_engine_extras(self) -> bool:
         """Whether any option only the serving engine honours is set."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0 or self.logprobs is not None)
+                or self.min_tokens > 0 or self.logprobs is not None or bool(self.logit_bias))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
         # NumPy scalars pass the checks above; store plain Python numbers.
         self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)

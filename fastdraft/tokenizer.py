@@ -86,6 +86,13 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja, as in HF's tokenizer_config.json) instead of the model's own."""
+        if not template.strip():
+            raise ValueError("the chat template is empty")
+        self.chat_template = template
+        self.__dict__.pop("_template", None)  # the compiled template of the previous one
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template."""
         if not self.chat_template:

@@ -1,14 +1,24 @@
 """Builders shared by the tests: a tiny byte-level BPE tokenizer, tiny random HF models
-saved as HF folders, and tiny GGUF files written the way llama.cpp's converter writes them."""
+saved as HF folders, tiny GGUF files written the way llama.cpp's converter writes them, and a
+live ``fastdraft serve`` app on a loopback port."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import torch
+import uvicorn
+
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+from fastdraft.server.app import ServerConfig, build_app
 
 # The same split regex as Qwen2's tokenizer.json (and fastdraft's GGUF "qwen2" pre-tokenizer).
 QWEN2_PATTERN = (
@@ -215,3 +225,49 @@ def assert_tokens_equal_one_token_calls(out: torch.Tensor, attend_one, q: torch.
         rows = slice(t * group, (t + 1) * group)
         one = attend_one(q[:, :, rows].contiguous(), k[:, :, :visible], v[:, :, :visible])
         assert torch.equal(out[:, :, rows], one), f"token {t} differs from its one-token call"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The app under uvicorn on a thread, on a free loopback port."""
+
+    def __init__(self, loaded, engine_config: EngineConfig, model_name: str, **server_config) -> None:
+        self.engine: LLMEngine | None = None
+
+        def load() -> LLMEngine:
+            self.engine = LLMEngine(loaded, engine_config)
+            return self.engine
+
+        app = build_app(load, ServerConfig(served_model_name=model_name, **server_config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the server did not become ready")
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.engine.has_unfinished_requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)  # aborts submitted by the event loop land between steps

@@ -64,7 +64,7 @@ def test_bad_dtype_and_empty_stop(capsys):
 
 def test_no_command_and_unknown_command(capsys):
     _fails_cleanly(capsys, [], "command")
-    _fails_cleanly(capsys, ["serve"], "invalid choice")
+    _fails_cleanly(capsys, ["frobnicate"], "invalid choice")
 
 
 def test_pull_unknown_model(capsys, isolated_home):

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 
 from fastdraft.cli import build_parser
+from fastdraft.engine.llm_engine import EngineConfig
+from fastdraft.engine.loader import load_model
+from tests.helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -66,9 +69,19 @@ def test_readme_python_snippet_runs(index, tiny_models, tmp_path, monkeypatch):
     assert "qwen2.5-coder" not in code, "a snippet names a model the test cannot replace"
     code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=8", code)
     monkeypatch.chdir(tmp_path)  # snippets that write a checkpoint write it here
+    server = None
+    if "http://127.0.0.1:8000" in code:  # a client snippet: a live server on the tiny model answers it
+        name = str(tiny_models.dir("qwen2"))
+        server = LiveServer(load_model(name, dtype="bf16"), EngineConfig(num_blocks=128, block_size=4,
+                                                                         max_model_len=128), name)
+        code = code.replace("http://127.0.0.1:8000", server.url)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+    finally:
+        if server is not None:
+            server.stop()
     assert out.getvalue().strip(), "every snippet prints what it made"
 
 

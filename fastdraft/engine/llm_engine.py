@@ -170,6 +170,9 @@ class LLMEngine:
             raise ValueError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if any(t >= self.loaded.config.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.loaded.config.vocab_size}), the model's "
+                             "vocabulary")
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                              f"the maximum model length {self.max_model_len}")

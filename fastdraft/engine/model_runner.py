@@ -116,6 +116,10 @@ class ModelRunner:
             params = seq.params
             original = logits[i]  # [vocab_size]
             row = apply_penalties(original, seq.prompt_token_ids, seq.output_token_ids, params)
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+                bias = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
+                row = row.index_add(0, ids, bias)
             if len(seq.output_token_ids) < params.min_tokens and self.eos_token_ids:
                 eos_ids = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=row.device)
                 row = row.index_fill(0, eos_ids, float("-inf"))

@@ -1,0 +1,301 @@
+"""Online serving: streaming ``/v1/completions`` against OpenAI-compatible servers, as vLLM's
+serving benchmark measures them.
+
+It starts ``fastdraft serve`` on the model and, given ``--llama-server PATH``, llama.cpp's
+``llama-server`` on the model's original GGUF (``-np`` set to the concurrency, a context of
+``-np`` x 512 tokens so every slot holds a request, continuous batching, the same threads),
+and drives each with the same requests, the two systems in turn at each load:
+
+* closed loop at each ``--concurrency`` (``--num-requests`` requests, at least 200 at 16 by
+  default, so a p99 means something);
+* Poisson arrivals at ``--request-rate`` requests/s, when given;
+* ``--shared-prefix``: a ~1,000-token system prompt shared by every request with a short user
+  turn, at concurrency 4, on fastdraft with prefix caching and without (a second server):
+  TTFT p50 of each, and the prefix-cache hit rate from ``/metrics``.
+
+Prompts are about ``--prompt-tokens`` tokens of CPython's standard library sources (each its
+own slice); each request generates exactly ``--max-tokens`` tokens, greedy, EOS ignored. It
+reports output tokens/s, TTFT p50/p99, TPOT p50/p99 (per request: the time after its first
+token over its other tokens) and inter-token latency p99, medians where runs repeat.
+
+    python benchmarks/bench_serving.py --model qwen2.5-coder-0.5b-instruct --quant method=rtn,group_size=128
+    python benchmarks/bench_serving.py --llama-server ./llama.cpp/build/bin/llama-server --shared-prefix
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from fastdraft.fileio import write_json
+from fastdraft.models.registry import KNOWN_MODELS, original_gguf, pull
+from fastdraft.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)  # gaps between a request's tokens after the first
+    output_tokens: int = 0
+    is_ok: bool = False
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if result.output_tokens == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                result.output_tokens += 1
+        result.is_ok = True
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    return result
+
+
+async def closed_loop(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+                      max_tokens: int) -> tuple[list[RequestResult], float]:
+    queue = list(range(num_requests))
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+
+async def poisson(url: str, model: str, prompts: list[str], rate: float, num_requests: int, max_tokens: int,
+                  seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=num_requests + 4)) as client:
+        tasks = []
+        start = time.perf_counter()
+        for i in range(num_requests):
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompts[i % len(prompts)], max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    ok = [r for r in results if r.is_ok and r.output_tokens]
+    tpots = [statistics.fmean(r.itl_s) for r in ok if r.itl_s]
+    itls = [gap for r in ok for gap in r.itl_s]
+    return {"requests": len(results), "failed": len(results) - len(ok),
+            "output_tok_s": sum(r.output_tokens for r in ok) / wall_s,
+            "ttft_p50_s": percentile([r.ttft_s for r in ok], 50), "ttft_p99_s": percentile([r.ttft_s for r in ok], 99),
+            "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99), "itl_p99_s": percentile(itls, 99),
+            "errors": sorted({r.error for r in results if r.error})[:3]}
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server at {url} exited with status {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server at {url} did not become ready")
+
+
+def start_fastdraft(args: argparse.Namespace, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fastdraft.cli", "serve", "--model", args.model, "--port", str(port),
+           "--threads", str(args.threads), "--served-model-name", args.model, "--max-num-seqs",
+           str(max(args.concurrency)), *extra]
+    if args.quant != "none":
+        cmd += ["--quant", args.quant]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    wait_ready(f"http://127.0.0.1:{port}", process)
+    return process
+
+
+def start_llama_server(args: argparse.Namespace, port: int, parallel: int) -> subprocess.Popen:
+    cmd = [str(args.llama_server), "-m", str(original_gguf(args.model)), "--port", str(port), "-np", str(parallel),
+           "-c", str(parallel * args.llama_ctx_per_slot), "-t", str(args.threads), "-cb", "--log-disable"]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(f"http://127.0.0.1:{port}", process)
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def make_prompts(tokenizer: Tokenizer, num: int, length: int, seed: int) -> list[str]:
+    lib = Path(os.__file__).parent
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(lib.glob("*.py"))[:40])
+    ids = tokenizer.encode(text)
+    rng = random.Random(seed)
+    starts = rng.sample(range(0, len(ids) - length), num)
+    return [tokenizer.decode(ids[s:s + length]) for s in starts]
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics").text
+    values = {}
+    for name in ("fastdraft:prefix_cache_queries_total", "fastdraft:prefix_cache_hits_total"):
+        match = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+        values[name] = float(match.group(1)) if match else 0.0
+    return values["fastdraft:prefix_cache_queries_total"], values["fastdraft:prefix_cache_hits_total"]
+
+
+def row_text(system: str, load: str, s: dict) -> str:
+    return (f"| {system} | {load} | {s['requests']} | {s['output_tok_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} | "
+            f"{s['ttft_p99_s'] * 1e3:.0f} | {s['tpot_p50_s'] * 1e3:.1f} | {s['tpot_p99_s'] * 1e3:.1f} | "
+            f"{s['itl_p99_s'] * 1e3:.1f} | {s['failed']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", choices=list(KNOWN_MODELS))
+    parser.add_argument("--quant", default="method=rtn,group_size=128", help="fastdraft's weights (--quant spec, or none)")
+    parser.add_argument("--concurrency", default="1,4,16,32", help="closed-loop loads, comma-separated")
+    parser.add_argument("--num-requests", default=None,
+                        help="requests per load, comma-separated (default: 8 x concurrency, at least 16; 200 at 16)")
+    parser.add_argument("--request-rate", type=float, default=None, help="also Poisson arrivals at this rate (req/s)")
+    parser.add_argument("--poisson-requests", type=int, default=100)
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="also the shared-system-prompt case at concurrency 4, prefix caching on and off")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=1000)
+    parser.add_argument("--shared-requests", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="path to llama.cpp's llama-server binary (skipped without it)")
+    parser.add_argument("--llama-ctx-per-slot", type=int, default=512)
+    parser.add_argument("--port", type=int, default=8311, help="first of the local ports the servers use")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("bench_results/serving.json"))
+    args = parser.parse_args()
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+        counts = [int(n) for n in args.num_requests.split(",")] if args.num_requests else \
+            [200 if c == 16 else max(16, 8 * c) for c in args.concurrency]
+    except ValueError:
+        parser.error("--concurrency and --num-requests take comma-separated integers")
+    if len(counts) != len(args.concurrency) or min(args.concurrency + counts) < 1:
+        parser.error("--num-requests needs one positive count per concurrency")
+    if args.llama_server is not None and not args.llama_server.is_file():
+        parser.error(f"--llama-server: {args.llama_server} does not exist")
+
+    tokenizer = Tokenizer(pull(args.model))
+    prompts = make_prompts(tokenizer, max(counts + [args.poisson_requests]), args.prompt_tokens, args.seed)
+    results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": []}
+    lines = []
+    fastdraft_url = f"http://127.0.0.1:{args.port}"
+    server = start_fastdraft(args, args.port, [])
+    try:
+        asyncio.run(closed_loop(fastdraft_url, args.model, prompts, 2, 4, 8))  # warm-up
+        for concurrency, num in zip(args.concurrency, counts):
+            systems = [("fastdraft", fastdraft_url, None)]
+            if args.llama_server is not None:
+                systems.append(("llama-server", f"http://127.0.0.1:{args.port + 1}", concurrency))
+            for name, url, parallel in systems:
+                peer = start_llama_server(args, args.port + 1, parallel) if parallel else None
+                try:
+                    run, wall = asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens))
+                finally:
+                    if peer is not None:
+                        stop(peer)
+                summary = summarize(run, wall)
+                results["rows"].append({"system": name, "load": f"concurrency {concurrency}", **summary})
+                lines.append(row_text(name, f"concurrency {concurrency}", summary))
+                print(lines[-1], flush=True)
+                write_json(args.json, results)
+        if args.request_rate:
+            run, wall = asyncio.run(poisson(fastdraft_url, args.model, prompts, args.request_rate,
+                                            args.poisson_requests, args.max_tokens, args.seed))
+            summary = summarize(run, wall)
+            load = f"Poisson {args.request_rate:g} req/s"
+            results["rows"].append({"system": "fastdraft", "load": load, **summary})
+            lines.append(row_text("fastdraft", load, summary))
+        if args.shared_prefix:
+            system_prompt = make_prompts(tokenizer, 1, args.shared_prefix_tokens, args.seed + 1)[0]
+            shared = [f"{system_prompt}\n# Question {i}: what does this code do?\n" for i in range(args.shared_requests)]
+            shared_rows = {}
+            queries0, hits0 = prefix_counters(fastdraft_url)
+            run, wall = asyncio.run(closed_loop(fastdraft_url, args.model, shared, 4, args.shared_requests,
+                                                args.max_tokens))
+            queries1, hits1 = prefix_counters(fastdraft_url)
+            shared_rows["on"] = summarize(run, wall)
+            hit_rate = (hits1 - hits0) / max(queries1 - queries0, 1)
+            plain = start_fastdraft(args, args.port + 2, ["--no-enable-prefix-caching"])
+            try:
+                run, wall = asyncio.run(closed_loop(f"http://127.0.0.1:{args.port + 2}", args.model, shared, 4,
+                                                    args.shared_requests, args.max_tokens))
+            finally:
+                stop(plain)
+            shared_rows["off"] = summarize(run, wall)
+            results["shared_prefix"] = {**shared_rows, "hit_rate": hit_rate}
+            for mode, summary in shared_rows.items():
+                lines.append(row_text(f"fastdraft, prefix caching {mode}", "shared prefix, concurrency 4", summary))
+            ratio = shared_rows["off"]["ttft_p50_s"] / shared_rows["on"]["ttft_p50_s"]
+            results["shared_prefix"]["ttft_p50_ratio"] = ratio
+    finally:
+        stop(server)
+    write_json(args.json, results)
+    print(f"\n### {args.model} ({args.quant}): ~{args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, "
+          f"greedy, {args.threads} threads\n")
+    print("| system | load | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+          "ITL p99 ms | failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(lines))
+    if args.shared_prefix:
+        sp = results["shared_prefix"]
+        print(f"\nshared prefix: prefix-cache hit rate {sp['hit_rate']:.1%}; TTFT p50 without caching / with: "
+              f"{sp['ttft_p50_ratio']:.1f}x")
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

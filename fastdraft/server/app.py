@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health`` and ``/metrics``.
+
+Every refused request gets the OpenAI error shape ``{"error": {"message", "type", "param",
+"code"}}`` with a 4xx status; a request that fails inside the engine gets a 500, and the server
+keeps serving. A streaming client that goes away aborts its request, which frees its KV blocks
+before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
+from fastdraft.server.async_engine import AsyncEngine, EngineError, QueueFullError, RequestStream
+from fastdraft.server.metrics import ServerMetrics
+from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
+                                       error_body)
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client refused for a full queue is asked to wait (Retry-After).
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerConfig:
+    """How the HTTP side behaves; checked with ``ValueError``."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int = 256
+    chat_template: str | None = None  # a Jinja template replacing the model's own
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+class _State:
+    def __init__(self) -> None:
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+
+
+def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
+    """The app; ``load_engine`` runs on a thread at start-up (``/health`` says 503 until it is
+    done), so the port answers while the model loads."""
+    state = _State()
+    metrics = ServerMetrics(config.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            try:
+                engine = load_engine()
+                if config.chat_template is not None:
+                    engine.tokenizer.set_chat_template(config.chat_template)
+                async_engine = AsyncEngine(engine, config.max_queue, metrics.record_step)
+                async_engine.start(loop)
+                state.engine = async_engine
+                logger.info("ready: serving %s", config.served_model_name)
+            except BaseException as e:  # /health reports it; requests get 503
+                logger.exception("loading the model failed")
+                state.load_error = e
+
+        loader = threading.Thread(target=load, name="fastdraft-loader", daemon=True)
+        loader.start()
+        yield
+        if state.engine is not None:
+            state.engine.stop()
+
+    app = FastAPI(title="fastdraft", version="0.1.0", lifespan=lifespan)
+
+    def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return error(400, f"malformed JSON: {message}", "invalid_request_error")
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        return error(400, f"{where}: {message}" if where else message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key is not None and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+                return error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    def engine_or_error() -> AsyncEngine | JSONResponse:
+        if state.engine is None:
+            message = "the model failed to load" if state.load_error else "the model is loading"
+            return error(503, message, "service_unavailable")
+        return state.engine
+
+    def check_model(name: str) -> None:
+        if name != config.served_model_name:
+            raise RequestError(f"the model '{name}' does not exist; this server serves "
+                               f"'{config.served_model_name}'", param="model", status=404, code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is None:
+            return error(503, "the model failed to load" if state.load_error else "the model is loading",
+                         "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "fastdraft"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        engine = engine_or_error()
+        if isinstance(engine, JSONResponse):
+            return engine
+        return await _serve(engine, body, request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = engine_or_error()
+        if isinstance(engine, JSONResponse):
+            return engine
+        return await _serve(engine, body, request, is_chat=True)
+
+    async def _serve(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest, request: Request,
+                     is_chat: bool) -> Response:
+        try:
+            body.check_extra()
+            check_model(body.model)
+            jobs = _jobs(engine.engine, body, is_chat)
+        except RequestError as e:
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return error(e.status, str(e), kind, e.param, e.code)
+        request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        try:  # every choice queued at once: refusals come before any answer
+            streams = await engine.add_requests([(prompt, params, f"{request_id}-{i}")
+                                                 for i, (prompt, params) in enumerate(jobs)])
+        except QueueFullError as e:
+            return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        except ValueError as e:
+            return error(400, str(e), "invalid_request_error", "messages" if is_chat else "prompt")
+        render = _ChatRender(engine, body) if is_chat else _CompletionRender(engine, body, jobs)
+        if body.stream:
+            return StreamingResponse(_sse(streams, render, metrics, request_id, created, body),
+                                     media_type="text/event-stream")
+        try:
+            finals = await asyncio.gather(*(_collect(stream, metrics) for stream in streams))
+        except EngineError as e:
+            return error(500, str(e), "internal_error")
+        finally:
+            for stream in streams:
+                stream.close()
+        choices = [render.choice(i, out) for i, out in enumerate(finals)]
+        kind = "chat.completion" if is_chat else "text_completion"
+        return JSONResponse({"id": request_id, "object": kind, "created": created, "model": body.model,
+                             "choices": choices, "usage": _usage(finals)})
+
+    return app
+
+
+def _jobs(engine: LLMEngine, body: CompletionRequest | ChatCompletionRequest,
+          is_chat: bool) -> list[tuple[str | list[int], object]]:
+    """(prompt, SamplingParams) per choice: ``n`` per prompt."""
+    tokenizer, vocab_size = engine.tokenizer, engine.loaded.config.vocab_size
+    if is_chat:
+        try:
+            # The template writes the special tokens itself.
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template(body.conversation()), add_special_tokens=False)]
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        requested = body.max_completion_tokens or body.max_tokens
+    else:
+        prompts = body.prompts()
+        logprobs = body.logprobs
+        requested = body.max_tokens
+        if body.echo and body.logprobs is not None:
+            raise RequestError("echo with logprobs is not supported", param="echo")
+    jobs = []
+    for prompt in prompts:
+        if isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
+        num_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+        room = engine.max_model_len - num_prompt
+        if room < 1:
+            raise RequestError(f"the prompt has {num_prompt} tokens; the context holds {engine.max_model_len}",
+                               param="messages" if is_chat else "prompt", code="context_length_exceeded")
+        # Chat defaults to the rest of the context, as vLLM does; completions to 16, as OpenAI.
+        max_tokens = room if requested is None else requested
+        if max_tokens > room:
+            raise RequestError(f"max_tokens ({max_tokens}) exceeds the room the context leaves after the "
+                               f"prompt's {num_prompt} tokens ({room})",
+                               param="max_completion_tokens" if is_chat and body.max_completion_tokens else
+                               "max_tokens", code="context_length_exceeded")
+        for index in range(body.n):
+            jobs.append((prompt, body.sampling_params(max_tokens, logprobs, vocab_size, index)))
+    return jobs
+
+
+async def _collect(stream: RequestStream, metrics: ServerMetrics) -> RequestOutput:
+    last = None
+    async for out in stream:
+        metrics.record_token(out)
+        last = out
+    return last
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    # A prompt counts once however many choices share it, as OpenAI counts it.
+    prompts = {tuple(out.prompt_token_ids): len(out.prompt_token_ids) for out in finals}
+    prompt_tokens = sum(prompts.values())
+    completion = sum(len(out.token_ids) for out in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class _CompletionRender:
+    def __init__(self, engine: AsyncEngine, body: CompletionRequest, jobs: list) -> None:
+        self.tokenizer = engine.engine.tokenizer
+        self.body = body
+        self.prompts = [prompt for prompt, _ in jobs]
+        self.offsets = [0] * len(jobs)
+
+    def _logprobs(self, index: int, out: RequestOutput, token_ids: list[int], entries) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        tokens, offsets = [], []
+        for token in token_ids:
+            piece = self.tokenizer.decode([token])
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(piece)
+            tokens.append(piece)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+                "top_logprobs": [self._top(top) for _, top in entries],
+                "text_offset": offsets}
+
+    def _top(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        # Keyed by text, as OpenAI's: tokens that decode alike keep the likelier one's value.
+        out: dict[str, float] = {}
+        for token, logprob in top:
+            out.setdefault(self.tokenizer.decode([token]), logprob)
+        return out
+
+    def _echo(self, index: int) -> str:
+        prompt = self.prompts[index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def choice(self, index: int, out: RequestOutput) -> dict:
+        text = (self._echo(index) if self.body.echo else "") + out.text
+        return {"index": index, "text": text, "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(index, out, out.token_ids, out.logprobs or [])}
+
+    def chunk(self, index: int, out: RequestOutput, is_first: bool) -> dict:
+        text = (self._echo(index) if self.body.echo and is_first else "") + out.new_text
+        entries = (out.logprobs or [])[-len(out.new_token_ids):] if out.new_token_ids else []
+        return {"index": index, "text": text, "finish_reason": out.finish_reason if out.is_finished else None,
+                "logprobs": self._logprobs(index, out, out.new_token_ids, entries)}
+
+    object_name = "text_completion"
+
+
+class _ChatRender:
+    def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+        self.tokenizer = engine.engine.tokenizer
+        self.body = body
+
+    def _logprobs(self, token_ids: list[int], entries) -> dict | None:
+        if not self.body.logprobs:
+            return None
+
+        def item(token: int, logprob: float) -> dict:
+            piece = self.tokenizer.decode([token])
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+        return {"content": [{**item(token, lp), "top_logprobs": [item(t, v) for t, v in top]}
+                            for token, (lp, top) in zip(token_ids, entries)]}
+
+    def choice(self, index: int, out: RequestOutput) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason, "logprobs": self._logprobs(out.token_ids, out.logprobs or [])}
+
+    def chunk(self, index: int, out: RequestOutput, is_first: bool) -> dict:
+        delta = {"role": "assistant", "content": out.new_text} if is_first else {"content": out.new_text}
+        entries = (out.logprobs or [])[-len(out.new_token_ids):] if out.new_token_ids else []
+        return {"index": index, "delta": delta, "finish_reason": out.finish_reason if out.is_finished else None,
+                "logprobs": self._logprobs(out.new_token_ids, entries)}
+
+    object_name = "chat.completion.chunk"
+
+
+async def _sse(streams: list[RequestStream], render, metrics: ServerMetrics, request_id: str, created: int,
+               body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new token of any choice, then usage when asked, then
+    ``[DONE]``. Leaving early (the client went away) aborts every choice's request."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                metrics.record_token(out)
+                await queue.put((index, out))
+        except EngineError as e:
+            await queue.put((index, e))
+        else:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    base = {"id": request_id, "object": render.object_name, "created": created, "model": body.model}
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, EngineError):
+                yield f"data: {json.dumps(error_body(str(item), 'internal_error'))}\n\n"
+                return
+            is_first = finals[index] is None
+            finals[index] = item
+            yield f"data: {json.dumps({**base, 'choices': [render.chunk(index, item, is_first)]})}\n\n"
+        if body.include_usage:
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage([f for f in finals if f is not None])})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM and SIGINT end ``run`` normally after the graceful
+    shutdown (uvicorn re-raises them, and the process would die of the signal, not exit 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(app: FastAPI, host: str, port: int, graceful_timeout: float, log_level: str = "warning") -> None:
+    """Serve ``app`` until SIGTERM or SIGINT: then stop accepting, let running requests finish
+    within ``graceful_timeout`` seconds, and return."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout)
+    _Server(config).run()
+
+
+__all__ = ["ServerConfig", "build_app", "serve", "MAX_LOGPROBS"]

@@ -1,0 +1,68 @@
+"""Prometheus metrics, named as vLLM names them with a ``fastdraft:`` prefix, so existing
+dashboards translate. Each server has its own registry: nothing is global."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fastdraft.engine.llm_engine import RequestOutput
+from fastdraft.server.async_engine import StepStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"fastdraft:{name}", doc, names + list(extra), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"fastdraft:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"fastdraft:{name}", doc, names, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(**labels)
+
+        self.labels = labels
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token of a request")
+        self.tpot = histogram("time_per_output_token_seconds", "Time between two output tokens of a request")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(**labels)
+        self.request_success = counter("request_success", "Requests finished", ("finished_reason",))
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache").labels(
+            **labels)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**labels)
+        self.preemptions = counter("num_preemptions", "Sequences preempted for want of KV-cache blocks").labels(
+            **labels)
+        self._last = StepStats(0, 0, 0.0, 0, 0, 0)
+
+    def record_step(self, stats: StepStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.inc(stats.num_prefix_queries - self._last.num_prefix_queries)
+        self.prefix_hits.inc(stats.num_prefix_hits - self._last.num_prefix_hits)
+        self.preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        self._last = stats
+
+    def record_token(self, out: RequestOutput) -> None:
+        """After each output of a request: its new token's latency."""
+        metrics = out.metrics
+        self.generation_tokens.inc(len(out.new_token_ids))
+        if metrics.num_generated_tokens == 1:
+            self.ttft.observe(metrics.ttft_s)
+            self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        elif metrics.token_latencies_s:
+            self.tpot.observe(metrics.token_latencies_s[-1])
+        if out.is_finished:
+            self.e2e.observe(metrics.ttft_s + sum(metrics.token_latencies_s))
+            self.request_success.labels(finished_reason=out.finish_reason or "abort", **self.labels).inc()

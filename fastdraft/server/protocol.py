@@ -1,0 +1,207 @@
+"""The OpenAI API's request bodies, checked, and how they become ``SamplingParams``.
+
+Parameters fall in three groups:
+
+* supported: they change the output as OpenAI (or vLLM, for its extras) documents;
+* accepted and ignored, because they cannot change the output (``IGNORED``: ``user``,
+  ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` without
+  ``stream``);
+* refused with a 400 that names them, because honouring them would change the output and
+  fastdraft does not (``REFUSED``): tools and functions, structured ``response_format``,
+  ``suffix``, ``best_of`` above ``n``, audio, predicted outputs. A field the API does not have at
+  all is refused too, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fastdraft.sampling_params import SamplingParams
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+REFUSED = frozenset({"tools", "tool_choice", "functions", "function_call", "suffix", "audio", "modalities",
+                     "prediction", "reasoning_effort", "web_search_options"})
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``param`` names the field, ``status`` the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields common to both endpoints. Unknown fields are collected and checked by ``check``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int = Field(default=0, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    ignore_eos: bool = False
+    # accepted and ignored
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
+        return value
+
+    def check_extra(self) -> None:
+        for name in (self.model_extra or {}):
+            if name in REFUSED:
+                raise RequestError(f"'{name}' is not supported by this server", param=name)
+            raise RequestError(f"unknown parameter '{name}'", param=name)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, index: int) -> SamplingParams:
+        """The engine's parameters for choice ``index`` of ``n`` (a seeded request's choices
+        take consecutive seeds, so they differ but stay reproducible)."""
+        bias = {}
+        for token, value in (self.logit_bias or {}).items():
+            if int(token) >= vocab_size:
+                raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
+            bias[int(token)] = value
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+                seed=None if self.seed is None else (self.seed + index) % (2**63 - 1), stop=stop,
+                ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                min_tokens=min(self.min_tokens, max_tokens), logprobs=logprobs, logit_bias=bias)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
+            raise ValueError("prompt must not be empty")
+        return value
+
+    def check_extra(self) -> None:
+        super().check_extra()
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of other than n is not supported", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return [p if isinstance(p, str) else list(p) for p in self.prompt]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must not be empty")
+        for message in value:
+            if message.role not in _ROLES:
+                raise ValueError(f"unknown role {message.role!r}; roles are {', '.join(_ROLES)}")
+        return value
+
+    def check_extra(self) -> None:
+        super().check_extra()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError("response_format other than text is not supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """The OpenAI API's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
