@@ -11,7 +11,8 @@ and drives each with the same requests, the two systems in turn at each load:
 * Poisson arrivals at ``--request-rate`` requests/s, when given;
 * ``--shared-prefix``: a ~1,000-token system prompt shared by every request with a short user
   turn, at concurrency 4, on fastdraft with prefix caching and without (a second server):
-  TTFT p50 of each, and the prefix-cache hit rate from ``/metrics``.
+  TTFT p50 of each (after one request that puts the system prompt in the cache, as in steady
+  state), and the prefix-cache hit rate from ``/metrics``.
 
 Prompts are about ``--prompt-tokens`` tokens of CPython's standard library sources (each its
 own slice); each request generates exactly ``--max-tokens`` tokens, greedy, EOS ignored. It
@@ -242,6 +243,8 @@ def main() -> None:
                 systems.append(("llama-server", f"http://127.0.0.1:{args.port + 1}", concurrency))
             for name, url, parallel in systems:
                 peer = start_llama_server(args, args.port + 1, parallel) if parallel else None
+                if peer is not None:  # its first requests set up its slots
+                    asyncio.run(closed_loop(url, args.model, prompts, 2, 2, 8))
                 try:
                     run, wall = asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens))
                 finally:
@@ -263,6 +266,8 @@ def main() -> None:
             system_prompt = make_prompts(tokenizer, 1, args.shared_prefix_tokens, args.seed + 1)[0]
             shared = [f"{system_prompt}\n# Question {i}: what does this code do?\n" for i in range(args.shared_requests)]
             shared_rows = {}
+            # One request first on each server: the system prompt is cached, as it is in steady state.
+            asyncio.run(closed_loop(fastdraft_url, args.model, shared[:1], 1, 1, args.max_tokens))
             queries0, hits0 = prefix_counters(fastdraft_url)
             run, wall = asyncio.run(closed_loop(fastdraft_url, args.model, shared, 4, args.shared_requests,
                                                 args.max_tokens))
@@ -271,8 +276,10 @@ def main() -> None:
             hit_rate = (hits1 - hits0) / max(queries1 - queries0, 1)
             plain = start_fastdraft(args, args.port + 2, ["--no-enable-prefix-caching"])
             try:
-                run, wall = asyncio.run(closed_loop(f"http://127.0.0.1:{args.port + 2}", args.model, shared, 4,
-                                                    args.shared_requests, args.max_tokens))
+                plain_url = f"http://127.0.0.1:{args.port + 2}"
+                asyncio.run(closed_loop(plain_url, args.model, shared[:1], 1, 1, args.max_tokens))
+                run, wall = asyncio.run(closed_loop(plain_url, args.model, shared, 4, args.shared_requests,
+                                                    args.max_tokens))
             finally:
                 stop(plain)
             shared_rows["off"] = summarize(run, wall)
