@@ -14,8 +14,8 @@ and drives each with the same requests, the two systems in turn at each load:
   TTFT p50 of each (after one request that puts the system prompt in the cache, as in steady
   state), and the prefix-cache hit rate from ``/metrics``.
 
-Prompts are about ``--prompt-tokens`` tokens of CPython's standard library sources (each its
-own slice); each request generates exactly ``--max-tokens`` tokens, greedy, EOS ignored. It
+Prompts are about ``--prompt-tokens`` tokens of CPython's standard library sources, each its
+own slice and each load its own prompts (no load finds another's in the prefix cache); each request generates exactly ``--max-tokens`` tokens, greedy, EOS ignored. It
 reports output tokens/s, TTFT p50/p99, TPOT p50/p99 (per request: the time after its first
 token over its other tokens) and inter-token latency p99, medians where runs repeat.
 
@@ -64,6 +64,15 @@ def percentile(values: list[float], q: float) -> float:
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
+    for attempt in range(2):
+        result = await _stream_once(client, url, body)
+        # A pooled connection the server had already closed fails before any byte: send it again once.
+        if result.is_ok or "RemoteProtocolError" not in result.error or attempt:
+            return result
+    return result
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -230,21 +239,25 @@ def main() -> None:
         parser.error(f"--llama-server: {args.llama_server} does not exist")
 
     tokenizer = Tokenizer(pull(args.model))
-    prompts = make_prompts(tokenizer, max(counts + [args.poisson_requests]), args.prompt_tokens, args.seed)
+    # Every load gets prompts of its own, so that none finds another load's prompts in the prefix cache.
+    loads = [*counts, args.poisson_requests if args.request_rate else 0]
+    pool = make_prompts(tokenizer, sum(loads) + 4, args.prompt_tokens, args.seed)
+    starts = [sum(loads[:i]) + 4 for i in range(len(loads))]
     results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": []}
     lines = []
     fastdraft_url = f"http://127.0.0.1:{args.port}"
     server = start_fastdraft(args, args.port, [])
     try:
-        asyncio.run(closed_loop(fastdraft_url, args.model, prompts, 2, 4, 8))  # warm-up
-        for concurrency, num in zip(args.concurrency, counts):
+        asyncio.run(closed_loop(fastdraft_url, args.model, pool[:4], 2, 4, 8))  # warm-up
+        for load, (concurrency, num) in enumerate(zip(args.concurrency, counts)):
+            prompts = pool[starts[load]:starts[load] + num]
             systems = [("fastdraft", fastdraft_url, None)]
             if args.llama_server is not None:
                 systems.append(("llama-server", f"http://127.0.0.1:{args.port + 1}", concurrency))
             for name, url, parallel in systems:
                 peer = start_llama_server(args, args.port + 1, parallel) if parallel else None
                 if peer is not None:  # its first requests set up its slots
-                    asyncio.run(closed_loop(url, args.model, prompts, 2, 2, 8))
+                    asyncio.run(closed_loop(url, args.model, pool[:4], 2, 2, 8))
                 try:
                     run, wall = asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens))
                 finally:
@@ -256,6 +269,7 @@ def main() -> None:
                 print(lines[-1], flush=True)
                 write_json(args.json, results)
         if args.request_rate:
+            prompts = pool[starts[-1]:starts[-1] + args.poisson_requests]
             run, wall = asyncio.run(poisson(fastdraft_url, args.model, prompts, args.request_rate,
                                             args.poisson_requests, args.max_tokens, args.seed))
             summary = summarize(run, wall)

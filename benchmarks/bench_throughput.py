@@ -57,10 +57,10 @@ def make_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
 
 
 def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_tokens: int,
-                params: SamplingParams, batch_invariant: bool) -> dict:
+                params: SamplingParams, batch_invariant: bool, block_size: int = 16) -> dict:
     num = len(prompts)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=num, max_num_batched_tokens=max_batched_tokens,
-                                            max_model_len=len(prompts[0]) + new_tokens + 1,
+                                            max_model_len=len(prompts[0]) + new_tokens + 1, block_size=block_size,
                                             enable_prefix_caching=False, batch_invariant=batch_invariant))
     params = dataclasses.replace(params, max_new_tokens=new_tokens)
     start = time.perf_counter()
@@ -134,6 +134,9 @@ def main() -> None:
     parser.add_argument("--mode-cost", type=int, default=0, metavar="N",
                         help="also time N sequences with batch-invariant mode on and off, alternating (0: skip)")
     parser.add_argument("--mode-cost-rounds", type=int, default=3)
+    parser.add_argument("--block-sizes", default=None, metavar="B,B,...",
+                        help="also time --mode-cost N sequences (32 if unset) at each KV block size, alternating "
+                             "--mode-cost-rounds times (block sizes are powers of two)")
     parser.add_argument("--decode-cost", type=float, default=1.4,
                         help="prefill tokens one decode token costs, for the ceiling (default 1.4)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -157,7 +160,8 @@ def main() -> None:
     if config is not None and not config.is_gguf_native:
         quantize_model(loaded.model, config, show_progress=False)
     label = "bf16" if config is None else config.label
-    prompts = make_prompts(loaded.tokenizer, max(args.num_seqs + [args.sequential_requests, args.mode_cost]),
+    block_n = (args.mode_cost or 32) if args.block_sizes else 0
+    prompts = make_prompts(loaded.tokenizer, max(args.num_seqs + [args.sequential_requests, args.mode_cost, block_n]),
                            args.prompt_tokens)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=args.temperature,
                             top_p=args.top_p, seed=0)
@@ -180,6 +184,16 @@ def main() -> None:
         for mode in ("on", "off"):
             mode_runs[mode].append(run_batched(loaded, prompts[:args.mode_cost], args.new_tokens,
                                                args.max_num_batched_tokens, params, mode == "on"))
+    block_sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
+    block_runs: dict[int, list[dict]] = {b: [] for b in block_sizes}
+    for _ in range(args.mode_cost_rounds if block_sizes else 0):
+        for block_size in block_sizes:
+            block_runs[block_size].append(run_batched(loaded, prompts[:args.mode_cost or 32], args.new_tokens,
+                                                      args.max_num_batched_tokens, params, is_invariant, block_size))
+    if block_sizes:
+        results["block_sizes"] = {b: {key: statistics.median(r[key] for r in runs)
+                                      for key in ("prefill_tok_s", "gen_tok_s", "total_tok_s")}
+                                  for b, runs in block_runs.items()}
     if args.mode_cost:
         results["mode_cost"] = {mode: {key: statistics.median(r[key] for r in runs)
                                        for key in ("prefill_tok_s", "gen_tok_s", "total_tok_s")}
@@ -209,6 +223,11 @@ def main() -> None:
         print(f"| {r['system']} | {r['num_seqs']} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | "
               f"{r['total_tok_s']:.1f} | {share} | {ratio} | {sample_share} | {rss} |")
     print(f"\nceiling of batched decoding: {ceiling:.0f} tok/s (best batched prefill / {args.decode_cost})")
+    if block_sizes:
+        print(f"\nKV block size at N = {args.mode_cost or 32}, medians of {args.mode_cost_rounds} alternating runs:")
+        print("| block size | prefill tok/s | generation tok/s | total tok/s |\n|---:|---:|---:|---:|")
+        for b, r in results["block_sizes"].items():
+            print(f"| {b} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | {r['total_tok_s']:.1f} |")
     if args.mode_cost:
         on, off = results["mode_cost"]["on"], results["mode_cost"]["off"]
         print(f"\nbatch-invariant mode at N = {args.mode_cost}, medians of {args.mode_cost_rounds} alternating runs:")

@@ -53,7 +53,8 @@ class EngineConfig:
     of the available memory, capped at what ``max_num_seqs`` sequences of ``max_model_len``
     tokens could use. ``num_blocks`` sets the pool's size directly instead.
 
-    ``batch_invariant`` runs every step in :func:`fastdraft.kernels.mode.batch_invariant`: a
+    ``block_size`` is best a power of two: the C++ attention and decoder need one (other sizes
+    run the PyTorch path). ``batch_invariant`` runs every step in :func:`fastdraft.kernels.mode.batch_invariant`: a
     sequence's logits, bit for bit, do not depend on what else runs, on how its prompt was
     chunked, on preemption or on the prefix cache (see docs/architecture.md for its cost)."""
 

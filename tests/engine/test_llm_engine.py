@@ -212,3 +212,15 @@ def test_engine_extras_min_tokens_logprobs_and_a_refusing_text_generator(tiny_mo
         assert chosen <= 0 and sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
     with pytest.raises(ValueError, match="serving engine"):
         TextGenerator(loaded, max_seq_len=64).generate("x", SamplingParams(max_new_tokens=2, presence_penalty=1.0))
+
+
+def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models):
+    loaded = load_model(tiny_models.dir("qwen2"), dtype="bf16")
+    quantize_model(loaded.model, QuantConfig(method="rtn", group_size=32), show_progress=False)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 3
+    outputs = {}
+    for block_size in (4, 6):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=128, block_size=block_size))
+        assert (engine.runner.decoder is not None) == (block_size == 4)
+        outputs[block_size] = [o.token_ids for o in run_to_completion(engine, PROMPTS[:3], params)]
+    assert outputs[4] == outputs[6]
