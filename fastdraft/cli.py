@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"],
                          default=None, help="quantize on the fly at load time (RTN)")
     srv.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local clients only)")
     srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     srv.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
