@@ -233,6 +233,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the server at {url} did not become ready")
+
+
 class LiveServer:
     """The app under uvicorn on a thread, on a free loopback port."""
 
@@ -249,15 +262,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the server did not become ready")
+        wait_healthy(self.url, 60)
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)

@@ -152,21 +152,17 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
                                             "owned_by": "fastdraft"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        engine = engine_or_error()
-        if isinstance(engine, JSONResponse):
-            return engine
-        return await _serve(engine, body, request, is_chat=False)
+    async def completions(body: CompletionRequest) -> Response:
+        return await _serve(body, is_chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await _serve(body, is_chat=True)
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest, is_chat: bool) -> Response:
         engine = engine_or_error()
         if isinstance(engine, JSONResponse):
             return engine
-        return await _serve(engine, body, request, is_chat=True)
-
-    async def _serve(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                     is_chat: bool) -> Response:
         try:
             body.check_extra()
             check_model(body.model)

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,7 +21,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from tests.helpers import LiveServer, free_port
+from tests.helpers import LiveServer, free_port, wait_healthy
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -293,14 +292,7 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(tiny_models):
                                 "--kv-cache-memory", "0.05"])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(url, 120)
         body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         pieces = []
