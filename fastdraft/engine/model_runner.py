@@ -106,8 +106,13 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, meta, sample_rows, samplers = self.prepare(output)
         with batch_invariant(self.batch_invariant):
-            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[0, sample_rows]) if sample_rows else None
+            logits = None  # [num_sampling_seqs, vocab_size]
+            if self.decoder is not None and sample_rows:  # the LM head inside the C++ call, where it can run
+                logits = self.model.paged_logits(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder,
+                                                 sample_rows)
+            if logits is None:
+                hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
+                logits = self.model.compute_logits(hidden[0, sample_rows]) if sample_rows else None
         self.forward_seconds += time.perf_counter() - start
         if logits is None:
             return {}

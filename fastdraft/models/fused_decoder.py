@@ -160,15 +160,17 @@ class FusedDecoder:
 
     def forward_paged(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
-                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                      norm: tuple[torch.Tensor, float] | None = None, head=None,
+                      logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """A flat batch of sequences over a paged cache: hidden_states [num_tokens, hidden_size],
         cos/sin [num_tokens, head_dim] -> hidden states after the last layer (after the final
         norm too with ``norm``), all layers in one C++ parallel region, bit-identical to the
-        module path."""
+        module path. With a weight-only ``head`` op and ``logit_rows`` [n] too: the fp32 logits
+        [n, vocab_size] of those rows, the head run inside the region."""
         weight, eps = norm if norm is not None else (None, 0.0)
         return self.ext.decoder_forward_paged(self.layer_ops, hidden_states, cos, sin, kv_cache.k, kv_cache.v,
                                               meta.slot_mapping, meta.block_tables, meta.query_start_loc_tensor,
-                                              meta.context_lens_tensor, weight, eps)
+                                              meta.context_lens_tensor, weight, eps, head, logit_rows)
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, embed: nn.Embedding,
                rotary: nn.Module, norm: nn.Module, lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:

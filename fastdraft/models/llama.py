@@ -19,7 +19,7 @@ from fastdraft.layers.attention import cached_attention
 from fastdraft.layers.kv_cache import AttentionMetadata, KVCache, PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import Linear, fused_linears, has_hooks
 from fastdraft.layers.norm import RMSNorm
-from fastdraft.layers.quant_linear import EXACT_MIN_ROWS
+from fastdraft.layers.quant_linear import EXACT_MIN_ROWS, QuantLinear
 from fastdraft.layers.rotary import RotaryEmbedding
 from fastdraft.models.fused_decoder import FusedDecoder, fused_decoder_for
 
@@ -194,6 +194,21 @@ class LlamaForCausalLM(nn.Module):
         run a paged flat batch in one C++ call; without it, or for other metadata, the module
         path."""
         return self.model(input_ids, kv_cache, meta, self.min_rows, decoder)
+
+    def paged_logits(self, input_ids: torch.Tensor, kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
+                     decoder: FusedDecoder, logit_rows: list[int]) -> torch.Tensor | None:
+        """fp32 logits [len(logit_rows), vocab_size] of a paged flat batch [1, num_tokens], the
+        layers, the final norm and a weight-only LM head in ``decoder``'s one C++ call:
+        ``compute_logits(forward(...)[0, logit_rows])``, bit for bit. None when the head or the
+        norm cannot run there."""
+        norm = decoder.norm_args(self.model.norm)
+        head = decoder.head_op(self.lm_head) if norm is not None and isinstance(self.lm_head, QuantLinear) else None
+        if head is None:
+            return None
+        hidden_states = self.model.embed_tokens(input_ids)[0]  # [num_tokens, hidden_size]
+        cos, sin = self.model.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
+        rows = torch.tensor(logit_rows, dtype=torch.long)
+        return decoder.forward_paged(hidden_states, cos[0], sin[0], kv_cache, meta, norm, head, rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., hidden_size] -> fp32 logits [..., vocab_size]."""

@@ -330,3 +330,33 @@ def test_paged_fused_decoder_needs_weight_only_layers(tiny_models):
     assert decoder is not None and not decoder.is_weight_only
     with pytest.raises(RuntimeError, match="weight-only"):
         _paged_steps(model, decoder)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, variant, dtype):
+    model = _model(tiny_models, variant, dtype, "int4-head6")  # a weight-only LM head
+    with torch.inference_mode():
+        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+    block_size, vocab = 4, model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, vocab, (20,), generator=gen).tolist() for _ in range(2)]
+    caches = [PagedKVCache.from_config(model.config, 16, block_size, dtype=model.dtype) for _ in range(2)]
+    # (sequence, first position, number of tokens); logits of rows 2, 9 and the last.
+    steps = [[(0, 0, 7), (1, 0, 10)], [(0, 7, 1), (1, 10, 4)]]
+    with torch.inference_mode():
+        for step in steps:
+            ids, positions, slots, starts, lens = [], [], [], [0], []
+            for seq, start, num in step:
+                ids += tokens[seq][start:start + num]
+                positions += range(start, start + num)
+                slots += [(seq * 8 + p // block_size) * block_size + p % block_size for p in range(start, start + num)]
+                starts.append(starts[-1] + num)
+                lens.append(start + num)
+            meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens,
+                                          torch.tensor([list(range(seq * 8, seq * 8 + 8)) for seq, _, _ in step]))
+            rows = [2, starts[1] - 1, starts[-1] - 1]
+            got = model.paged_logits(torch.tensor([ids]), caches[0], meta, decoder, rows)
+            assert got is not None and got.dtype == torch.float32
+            want = model.compute_logits(model(torch.tensor([ids]), caches[1], meta)[0, rows])
+            assert torch.equal(got, want)

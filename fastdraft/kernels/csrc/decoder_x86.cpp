@@ -424,7 +424,7 @@ template <typename Attention>
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
                                      const torch::Tensor& cos, const torch::Tensor& sin, Attention& attention,
                                      const torch::Tensor& final_norm, double eps, const Linear* head,
-                                     int64_t num_logit_rows) {
+                                     int64_t num_logit_rows, const torch::Tensor& logit_rows = torch::Tensor()) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
   const DecoderLayer& first = *layers[0];
@@ -447,7 +447,11 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   down.bind(*first.down, num_tokens, options, nth);
   Projection lm_head;
   if (head) lm_head.bind(*head, num_logit_rows, options, nth);
-  const torch::Tensor head_rows = normed.narrow(0, num_tokens - num_logit_rows, num_logit_rows);
+  // The head's input rows: the last num_logit_rows, or those logit_rows names (copied from
+  // the normed rows column by column, as each thread finishes its columns).
+  const bool is_gathered = logit_rows.defined();
+  const torch::Tensor head_rows = is_gathered ? torch::empty({logit_rows.size(0), hidden_size}, options)
+                                              : normed.narrow(0, num_tokens - num_logit_rows, num_logit_rows);
   WorkSplit attention_split;
   std::vector<int64_t> attention_shares(nth + 1);
   std::exception_ptr error;
@@ -572,6 +576,14 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
                                  : unit_share(tid, nth, hidden_size, 16);
       fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
                                            std::min(c0, hidden_size), std::min(c1, hidden_size));
+      if (head && is_gathered) {
+        const int64_t h0 = std::min(c0, hidden_size), h1 = std::min(c1, hidden_size);
+        const int64_t* rows = logit_rows.data_ptr<int64_t>();
+        for (int64_t r = 0; r < head_rows.size(0); ++r)
+          std::memcpy(static_cast<char*>(head_rows.data_ptr()) + (r * hidden_size + h0) * normed.element_size(),
+                      static_cast<const char*>(normed.data_ptr()) + (rows[r] * hidden_size + h0) * normed.element_size(),
+                      (h1 - h0) * normed.element_size());
+      }
       if (head) lm_head.quantize(head_rows, c0, c1);
     });
     if (head) {
@@ -719,7 +731,8 @@ torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLay
                                     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_blocks,
                                     torch::Tensor v_blocks, torch::Tensor slot_mapping, torch::Tensor block_tables,
                                     torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                    c10::optional<torch::Tensor> final_norm, double eps) {
+                                    c10::optional<torch::Tensor> final_norm, double eps,
+                                    std::shared_ptr<Linear> head, c10::optional<torch::Tensor> logit_rows) {
   TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
   TORCH_CHECK(is_all_weight_only(layers), "the paged decoder needs every projection weight-only");
   TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
@@ -735,8 +748,18 @@ torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLay
   attention.block_tables = block_tables.contiguous();
   attention.query_start_loc = query_start_loc.contiguous();
   attention.context_lens = context_lens.contiguous();
-  return decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
-                                final_norm.value_or(torch::Tensor()), eps, nullptr, 0);
+  if (!head) {
+    return decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
+                                  final_norm.value_or(torch::Tensor()), eps, nullptr, 0);
+  }
+  TORCH_CHECK(final_norm.has_value() && head->is_weight_only() && logit_rows.has_value(),
+              "a head needs the final norm, weight-only weights and the logit rows");
+  const auto rows = logit_rows->contiguous();
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) >= 1, "logit_rows: [n] int64");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < hidden.size(0), "logit row out of range");
+  return to_float(decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
+                                         *final_norm, eps, head.get(), rows.size(0), rows));
 }
 
 void bind_decoder(pybind11::module& m) {
@@ -774,7 +797,8 @@ void bind_decoder(pybind11::module& m) {
         "all decoder layers for a flat batch of sequences over a paged KV pool", py::arg("layers"), py::arg("hidden"),
         py::arg("cos"), py::arg("sin"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"),
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
-        py::arg("final_norm") = py::none(), py::arg("eps") = 0.0, py::call_guard<py::gil_scoped_release>());
+        py::arg("final_norm") = py::none(), py::arg("eps") = 0.0, py::arg("head") = std::shared_ptr<Linear>(),
+        py::arg("logit_rows") = py::none(), py::call_guard<py::gil_scoped_release>());
   py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
       .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
                     const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),
