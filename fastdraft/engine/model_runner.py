@@ -11,6 +11,7 @@ from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.generate import make_generator
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
+from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.sampler import apply_penalties, sample_batch
@@ -39,9 +40,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         # All decoder layers of a weight-only model in one C++ call per step, built once here;
         # None: the model's module path (dense weights, hooks, no CPU kernels, CUDA).
-        block_size = kv_cache.block_size
-        is_pow2 = block_size >= 2 and block_size & (block_size - 1) == 0  # the C++ attention's block lookup
-        self.decoder = self._build_decoder(model) if is_pow2 else None
+        self.decoder = self._build_decoder(model) if is_paged_block_size(kv_cache.block_size) else None
         self._generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
         # The log-probabilities of the last step's sampled tokens, for requests that ask

@@ -154,11 +154,17 @@ def reference_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks:
     return torch.cat(outs)
 
 
+def is_paged_block_size(block_size: int) -> bool:
+    """Whether the C++ paged attention takes blocks of this many tokens: a power of two, so a
+    key's block and offset are a shift and a mask."""
+    return block_size >= 2 and block_size & (block_size - 1) == 0
+
+
 def paged_attention_kernel_applies(q: torch.Tensor, k_blocks: torch.Tensor) -> bool:
     """Whether paged_attention runs fastdraft's C++ kernel for these tensors (else its twin)."""
-    head_dim, block_size = q.shape[-1], k_blocks.shape[2]
+    head_dim = q.shape[-1]
     return (_extension_for(q, k_blocks) is not None and head_dim % 16 == 0 and head_dim <= 256
-            and block_size >= 2 and block_size & (block_size - 1) == 0 and k_blocks.is_contiguous())
+            and is_paged_block_size(k_blocks.shape[2]) and k_blocks.is_contiguous())
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,

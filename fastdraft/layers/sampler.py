@@ -123,7 +123,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if greedy_rows:
-        ids[greedy_rows] = greedy_ids(logits[greedy_rows].float().contiguous())
+        # All greedy (the common case): the rows as they are, not a copy of every row.
+        rows = logits if len(greedy_rows) == num_rows else logits[greedy_rows]
+        ids[greedy_rows] = greedy_ids(rows.float().contiguous())
     if sampled_rows:
         rows_params = [params[i] for i in sampled_rows]
         probs = batched_probs(logits[sampled_rows], rows_params)  # [num_sampled, vocab_size]

@@ -114,13 +114,17 @@ class LlamaModel(nn.Module):
         return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
 
     def forward_paged(self, input_ids: torch.Tensor, kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
-                      decoder: FusedDecoder) -> torch.Tensor:
+                      decoder: FusedDecoder, head=None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """A flat batch [1, num_tokens] over a paged cache, every layer and the final norm in
-        ``decoder``'s one C++ call -> final hidden states [1, num_tokens, hidden_size]."""
+        ``decoder``'s one C++ call -> final hidden states [1, num_tokens, hidden_size]; with a
+        weight-only ``head`` op (which needs the norm inside), the fp32 logits of
+        ``logit_rows`` [n] instead, [n, vocab_size]."""
         hidden_states = self.embed_tokens(input_ids)[0]  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
         norm = decoder.norm_args(self.norm)
-        out = decoder.forward_paged(hidden_states, cos[0], sin[0], kv_cache, meta, norm)
+        out = decoder.forward_paged(hidden_states, cos[0], sin[0], kv_cache, meta, norm, head, logit_rows)
+        if head is not None:
+            return out
         return (out if norm is not None else self.norm(out)).unsqueeze(0)
 
     def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
@@ -201,14 +205,12 @@ class LlamaForCausalLM(nn.Module):
         layers, the final norm and a weight-only LM head in ``decoder``'s one C++ call:
         ``compute_logits(forward(...)[0, logit_rows])``, bit for bit. None when the head or the
         norm cannot run there."""
-        norm = decoder.norm_args(self.model.norm)
-        head = decoder.head_op(self.lm_head) if norm is not None and isinstance(self.lm_head, QuantLinear) else None
+        is_norm_inside = decoder.is_fusable_norm(self.model.norm)
+        head = decoder.head_op(self.lm_head) if is_norm_inside and isinstance(self.lm_head, QuantLinear) else None
         if head is None:
             return None
-        hidden_states = self.model.embed_tokens(input_ids)[0]  # [num_tokens, hidden_size]
-        cos, sin = self.model.rotary_emb(meta.positions, hidden_states.dtype)  # [1, num_tokens, head_dim]
-        rows = torch.tensor(logit_rows, dtype=torch.long)
-        return decoder.forward_paged(hidden_states, cos[0], sin[0], kv_cache, meta, norm, head, rows)
+        return self.model.forward_paged(input_ids, kv_cache, meta, decoder, head,
+                                        torch.tensor(logit_rows, dtype=torch.long))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[..., hidden_size] -> fp32 logits [..., vocab_size]."""

@@ -179,7 +179,7 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         except ValueError as e:
             return error(400, str(e), "invalid_request_error", "messages" if is_chat else "prompt")
-        render = _ChatRender(engine, body) if is_chat else _CompletionRender(engine, body, jobs)
+        render = _ChatRender(engine, body) if is_chat else _CompletionRender(engine, body)
         if body.stream:
             return StreamingResponse(_sse(streams, render, metrics, request_id, created, body),
                                      media_type="text/event-stream")
@@ -199,8 +199,9 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
 
 
 def _jobs(engine: LLMEngine, body: CompletionRequest | ChatCompletionRequest,
-          is_chat: bool) -> list[tuple[str | list[int], object]]:
-    """(prompt, SamplingParams) per choice: ``n`` per prompt."""
+          is_chat: bool) -> list[tuple[list[int], object]]:
+    """(prompt token ids, SamplingParams) per choice: ``n`` per prompt. Text is tokenized here,
+    once, as the engine would tokenize it."""
     tokenizer, vocab_size = engine.tokenizer, engine.loaded.config.vocab_size
     if is_chat:
         try:
@@ -220,7 +221,8 @@ def _jobs(engine: LLMEngine, body: CompletionRequest | ChatCompletionRequest,
     for prompt in prompts:
         if isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt):
             raise RequestError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
-        num_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+        prompt = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+        num_prompt = len(prompt)
         room = engine.max_model_len - num_prompt
         if room < 1:
             raise RequestError(f"the prompt has {num_prompt} tokens; the context holds {engine.max_model_len}",
@@ -254,11 +256,11 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 
 class _CompletionRender:
-    def __init__(self, engine: AsyncEngine, body: CompletionRequest, jobs: list) -> None:
+    def __init__(self, engine: AsyncEngine, body: CompletionRequest) -> None:
         self.tokenizer = engine.engine.tokenizer
         self.body = body
-        self.prompts = [prompt for prompt, _ in jobs]
-        self.offsets = [0] * len(jobs)
+        self.prompts = [prompt for prompt in body.prompts() for _ in range(body.n)]  # each choice's, as given
+        self.offsets = [0] * len(self.prompts)
 
     def _logprobs(self, index: int, out: RequestOutput, token_ids: list[int], entries) -> dict | None:
         if self.body.logprobs is None:
