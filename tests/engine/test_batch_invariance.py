@@ -15,9 +15,10 @@ import torch
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.kernels.mode import batch_invariant
-from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
+from tests.helpers import paged_batch
 
 BLOCK_SIZE = 16
 
@@ -41,18 +42,9 @@ class PagedRunner:
 
     @torch.inference_mode()
     def step(self, requests: list[tuple[list[int], int, int, list[int]]]) -> list[torch.Tensor]:
-        ids, positions, slots, starts, lens = [], [], [], [0], []
-        max_blocks = max(len(table) for *_, table in requests)
-        for tokens, start, num_new, table in requests:
-            ids += tokens[start:start + num_new]
-            positions += range(start, start + num_new)
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + num_new)]
-            starts.append(starts[-1] + num_new)
-            lens.append(start + num_new)
-        tables = torch.tensor([table + [0] * (max_blocks - len(table)) for *_, table in requests])
-        meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens, tables)
+        ids, meta, starts = paged_batch(requests, BLOCK_SIZE)
         with batch_invariant():
-            hidden = self.model(torch.tensor([ids]), self.cache, meta)[0]  # [num_tokens, hidden_size]
+            hidden = self.model(ids, self.cache, meta)[0]  # [num_tokens, hidden_size]
             logits = self.model.compute_logits(hidden)  # [num_tokens, vocab_size]
         return [logits[s:e] for s, e in zip(starts, starts[1:])]
 

@@ -11,12 +11,13 @@ import torch
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import apply_penalties
 from fastdraft.llm import LLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
+from tests.helpers import paged_batch
 
 PROMPTS = ["def add(a, b):", "class Model:\n    def __init__(self):", "import os\n", "x = 1\ny = 2\n" * 6,
            "for i in range(10):\n    print(i)\n", "return"]
@@ -83,18 +84,13 @@ def test_int4_logits_do_not_depend_on_the_batch(tiny_models):
 
     def logits_of(batch: list[list[int]]) -> list[torch.Tensor]:
         cache = PagedKVCache.from_config(loaded.config, 64, block_size, dtype=torch.float32)
-        ids, positions, slots, starts, lens, tables, next_block = [], [], [], [0], [], [], 0
+        requests, next_block = [], 0
         for tokens in batch:
             blocks = list(range(next_block, next_block + -(-len(tokens) // block_size)))
             next_block += len(blocks)
-            ids += tokens
-            positions += range(len(tokens))
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(len(tokens))]
-            starts.append(starts[-1] + len(tokens))
-            lens.append(len(tokens))
-            tables.append(blocks + [0] * (16 - len(blocks)))
-        meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens, torch.tensor(tables))
-        hidden = model(torch.tensor([ids]), cache, meta)[0]
+            requests.append((tokens, 0, len(tokens), blocks))
+        ids, meta, starts = paged_batch(requests, block_size)
+        hidden = model(ids, cache, meta)[0]
         return [model.compute_logits(hidden[s:e]) for s, e in zip(starts, starts[1:])]
 
     alone = logits_of([seqs[0]])[0]

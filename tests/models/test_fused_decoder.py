@@ -7,11 +7,12 @@ import torch
 
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.layers.kv_cache import KVCache, PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.kv_cache import KVCache, PagedKVCache
 from fastdraft.models.fused_decoder import (MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op,
                                             fused_decoder_for)
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
+from tests.helpers import paged_batch
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
 
@@ -298,16 +299,8 @@ def _paged_steps(model, decoder) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for step in steps:
-            ids, positions, slots, starts, lens = [], [], [], [0], []
-            for seq, start, num in step:
-                ids += tokens[seq][start:start + num]
-                positions += range(start, start + num)
-                slots += [tables[seq][p // block_size] * block_size + p % block_size for p in range(start, start + num)]
-                starts.append(starts[-1] + num)
-                lens.append(start + num)
-            meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens,
-                                          torch.tensor([tables[seq] for seq, _, _ in step]))
-            out.append(model(torch.tensor([ids]), cache, meta, decoder))
+            ids, meta, _ = paged_batch([(tokens[seq], start, num, tables[seq]) for seq, start, num in step], block_size)
+            out.append(model(ids, cache, meta, decoder))
     return out
 
 
@@ -346,17 +339,10 @@ def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, va
     steps = [[(0, 0, 7), (1, 0, 10)], [(0, 7, 1), (1, 10, 4)]]
     with torch.inference_mode():
         for step in steps:
-            ids, positions, slots, starts, lens = [], [], [], [0], []
-            for seq, start, num in step:
-                ids += tokens[seq][start:start + num]
-                positions += range(start, start + num)
-                slots += [(seq * 8 + p // block_size) * block_size + p % block_size for p in range(start, start + num)]
-                starts.append(starts[-1] + num)
-                lens.append(start + num)
-            meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens,
-                                          torch.tensor([list(range(seq * 8, seq * 8 + 8)) for seq, _, _ in step]))
+            ids, meta, starts = paged_batch([(tokens[seq], start, num, list(range(seq * 8, seq * 8 + 8)))
+                                             for seq, start, num in step], block_size)
             rows = [2, starts[1] - 1, starts[-1] - 1]
-            got = model.paged_logits(torch.tensor([ids]), caches[0], meta, decoder, rows)
+            got = model.paged_logits(ids, caches[0], meta, decoder, rows)
             assert got is not None and got.dtype == torch.float32
-            want = model.compute_logits(model(torch.tensor([ids]), caches[1], meta)[0, rows])
+            want = model.compute_logits(model(ids, caches[1], meta)[0, rows])
             assert torch.equal(got, want)
