@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 
 from fastdraft.engine.allocator import tune_malloc
-from fastdraft.engine.generate import generate_token_ids
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.loader import parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 from fastdraft.sampling_params import SamplingParams
@@ -132,11 +131,13 @@ def setup_fastdraft(name: str, dtype: str, quant: str | None = None) -> System:
         from fastdraft.quant.quantizer import quantize_model
 
         quantize_model(model, config, show_progress=False)
-    cache = KVCache.from_config(lm.config, 2048, dtype=model.dtype, device=model.device)
+    # What a user's request runs: the engine, one sequence; no prefix cache, as every system
+    # here prefills the same prompt afresh each round.
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=1, max_model_len=2048, enable_prefix_caching=False))
 
     def stream(ids: list[int], n: int) -> Iterator[int]:
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-        return generate_token_ids(model, ids, params, cache, lm.config.eos_token_ids)
+        for out in engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True)):
+            yield from out.new_token_ids
 
     return System(stream, model.decode_weight_bytes())
 

@@ -34,6 +34,7 @@ from bench_latency import (  # noqa: E402
     FAST_STATE_GB_S, STABLE_PROBES, add_state_split_argument, measure_bandwidth, memory_state)
 
 from fastdraft.engine.generate import TextGenerator  # noqa: E402
+from fastdraft.engine.llm_engine import EngineConfig  # noqa: E402
 from fastdraft.engine.loader import load_model  # noqa: E402
 from fastdraft.fileio import write_json  # noqa: E402
 from fastdraft.quant.config import QuantConfig, parse_quant_spec  # noqa: E402
@@ -128,7 +129,9 @@ def scenario(name: str, target_name: str, target_quant: QuantConfig | None, spec
         quantize_model(target.model, target_quant, show_progress=False)
     ids = prompt_ids(target.tokenizer, args.prompt_tokens)
     max_len = args.prompt_tokens + args.new_tokens + 16
-    plain = TextGenerator(target, max_seq_len=max_len)
+    # Plain requests repeat the prompt: no prefix cache, so both sides prefill it each time.
+    plain = TextGenerator(target, engine_config=EngineConfig(max_num_seqs=1, max_model_len=max_len,
+                                                             enable_prefix_caching=False))
     spec_gen = TextGenerator(target, max_seq_len=max_len, speculative=spec)
     rows = []
     for temperature in (0.0, 0.7):

@@ -85,7 +85,9 @@ def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_t
 
 
 def run_sequential(loaded, prompts: list[list[int]], new_tokens: int, params: SamplingParams) -> dict:
-    generator = TextGenerator(loaded, max_seq_len=len(prompts[0]) + new_tokens + 1)
+    max_len = len(prompts[0]) + new_tokens + 1
+    generator = TextGenerator(loaded, engine_config=EngineConfig(max_num_seqs=1, max_model_len=max_len,
+                                                                 enable_prefix_caching=False))
     prefill_s = decode_s = 0.0
     start = time.perf_counter()
     for p in prompts:

@@ -5,7 +5,8 @@ Front doors: :class:`LLM` (vLLM style), :class:`AutoModelForCausalLM` (HF style)
 """
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.generate import GenerationMetrics, TextGenerator
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.loader import load_model
 from fastdraft.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
 from fastdraft.quant.config import QuantConfig

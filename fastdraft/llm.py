@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from fastdraft.engine.generate import GenerationMetrics, TextGenerator
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.models.loader import LoadedModel
@@ -113,16 +114,20 @@ class CausalLM:
         self.tokenizer = loaded.tokenizer
         self._max_seq_len = max_seq_len
         self._speculative = speculative
-        self._generators: dict[int | None, TextGenerator] = {}
+        self._generators: dict[int, TextGenerator] = {}  # speculative ones, by draft
+        self._engine: LLMEngine | None = None  # plain requests, every row of a batch at once
         self._default_assistant = assistant
 
     @property
     def model(self):
         return self.loaded.model
 
-    def _generator(self, assistant: "CausalLM | None") -> TextGenerator:
+    def _generator(self, assistant: "CausalLM | None") -> TextGenerator | None:
+        """The speculative generator for ``assistant`` (or the default draft), None for plain decoding."""
         draft = assistant.loaded if assistant is not None else self._default_assistant
-        key = id(draft) if draft is not None else None
+        if draft is None and self._speculative is None:
+            return None
+        key = id(draft)
         if key not in self._generators:
             spec = self._speculative
             if draft is not None:
@@ -146,7 +151,14 @@ class CausalLM:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
                                 top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
         generator = self._generator(assistant_model)
-        rows = [row.tolist() + generator.stream(row.tolist(), params).consume().token_ids for row in ids]
+        prompts = [row.tolist() for row in ids]
+        if generator is None:
+            if self._engine is None:
+                self._engine = LLMEngine(self.loaded, EngineConfig(max_model_len=self._max_seq_len))
+            new_ids = [out.token_ids for out in run_to_completion(self._engine, prompts, [params] * len(prompts))]
+        else:
+            new_ids = [generator.stream(prompt, params).consume().token_ids for prompt in prompts]
+        rows = [prompt + new for prompt, new in zip(prompts, new_ids)]
         pad = (self.config.eos_token_ids or [0])[0]
         width = max(len(r) for r in rows)
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)

@@ -16,6 +16,7 @@ import runpy
 import shlex
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fastdraft.cli import build_parser
@@ -79,6 +80,13 @@ def test_readme_python_snippet_runs(index, tiny_models, tmp_path, monkeypatch):
     try:
         with contextlib.redirect_stdout(out):
             exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+        if server is not None:
+            # A sampled reply of the random tiny model may be only EOS or whitespace: the
+            # server's own count shows that the snippet made it generate.
+            metrics = httpx.get(f"{server.url}/metrics").text
+            generated = re.search(r"^fastdraft:generation_tokens_total(?:\{.*\})? (\S+)$", metrics, re.M)
+            assert generated and float(generated.group(1)) > 0
+            return
     finally:
         if server is not None:
             server.stop()

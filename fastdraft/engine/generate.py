@@ -1,24 +1,30 @@
-"""Single-sequence generation: ``prefill``, ``decode_one_token`` and a streaming text generator.
+"""One request at a time: a streaming text generator, and single-sequence token functions.
 
-The token-level functions follow gpt-fast: plain functions over a model and a pre-allocated
-KV cache. :class:`TextGenerator` adds tokenization, chat templates, stop strings, streaming
-and the user-visible metrics (TTFT, TPOT, tokens/s).
+:class:`TextGenerator` is what the CLI and the HF-style API run: prompt in (text, chat
+messages or token ids), text pieces out, with the user-visible metrics (TTFT, TPOT, tokens/s).
+Plain requests run through the serving engine (:class:`~fastdraft.engine.llm_engine.LLMEngine`),
+like every other plain request. Speculative requests run the single-sequence loop of
+``spec/decoding.py`` over a contiguous KV cache, built from the token-level functions here
+(``prefill``, ``decode_one_token``), which follow gpt-fast: plain functions over a model and a
+pre-allocated cache.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from fastdraft.engine.allocator import tune_malloc
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.mode import batch_invariant
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.layers.kv_cache import KVCache
-from fastdraft.layers.sampler import sample
+from fastdraft.layers.sampler import make_generator, sample
+from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel
 from fastdraft.sampling_params import SamplingParams
@@ -52,19 +58,12 @@ def prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache,
 
 
 @torch.inference_mode()
-def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
-    """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]."""
+def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0,
+                     decoder: FusedDecoder | None = None) -> torch.Tensor:
+    """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]
+    (through ``decoder``, the model's fused C++ decoder, when given)."""
     meta = kv_cache.append(1, slot)
-    return model.decode_logits(token_id, kv_cache, meta)  # [1, vocab]
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+    return model.decode_logits(token_id, kv_cache, meta, decoder=decoder)  # [1, vocab]
 
 
 def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: int) -> None:
@@ -72,8 +71,8 @@ def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: i
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty")
     if params.uses_engine_extras():
-        raise ValueError("penalties, min_tokens and logprobs are served by the serving engine (LLM.generate, "
-                         "LLMEngine), not by one-request generation")
+        raise ValueError("penalties, logit_bias, min_tokens and logprobs are served by the serving engine, not by "
+                         "the single-sequence speculative loop")
     if num_prompt_tokens + params.max_new_tokens > max_seq_len:
         raise ValueError(
             f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
@@ -89,50 +88,14 @@ def generate_token_ids(model: LlamaForCausalLM, prompt_ids: list[int], params: S
     eos = set() if params.ignore_eos else set(eos_token_ids)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     logits = prefill(model, input_ids, kv_cache, slot)
+    decoder = model.fused_decoder()
     for step in range(params.max_new_tokens):
         next_id = sample(logits, params, generator)  # [1]
         token = int(next_id)
         yield token
         if token in eos or step == params.max_new_tokens - 1:
             return
-        logits = decode_one_token(model, next_id.view(1, 1), kv_cache, slot)
-
-
-@dataclass
-class GenerationMetrics:
-    """Latency figures of one request. Times are in seconds."""
-
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    ttft_s: float = 0.0  # request start -> first token
-    token_latencies_s: list[float] = field(default_factory=list)  # gaps between later tokens
-    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
-    spec: Any = None  # acceptance figures (spec.decoding.SpecMetrics) when decoding speculatively
-
-    @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first: the median gap, or with speculation (where
-        tokens arrive in bursts) the mean."""
-        if not self.token_latencies_s:
-            return 0.0
-        if self.spec is not None:
-            return sum(self.token_latencies_s) / len(self.token_latencies_s)
-        return statistics.median(self.token_latencies_s)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        total = sum(self.token_latencies_s)
-        return len(self.token_latencies_s) / total if total > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.num_prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
-
-    def summary(self) -> str:
-        text = (f"prompt {self.num_prompt_tokens} tok | generated {self.num_generated_tokens} tok | "
-                f"TTFT {self.ttft_s * 1e3:.0f} ms | TPOT {self.tpot_s * 1e3:.1f} ms | "
-                f"decode {self.decode_tokens_per_s:.2f} tok/s | finish: {self.finish_reason}")
-        return text if self.spec is None else f"{text}\n{self.spec.summary()}"
+        logits = decode_one_token(model, next_id.view(1, 1), kv_cache, slot, decoder)
 
 
 class GenerationStream:
@@ -156,15 +119,31 @@ class GenerationStream:
         return self
 
 
-class TextGenerator:
-    """Prompt in, streamed text out, for one model with its own pre-allocated KV cache.
+def _in_kernel_mode(token_iter: Iterator[int], is_batch_invariant: bool) -> Iterator[int]:
+    """``token_iter`` with each step's work inside :func:`batch_invariant` (entered around each
+    ``next``, so the mode never leaks to the reader between tokens)."""
+    while True:
+        with batch_invariant(is_batch_invariant):
+            token = next(token_iter, None)
+        if token is None:
+            return
+        yield token
 
-    With ``speculative`` set, tokens come from speculative decoding (same outputs for greedy,
-    same distribution for sampling) and ``metrics.spec`` reports acceptance.
+
+class TextGenerator:
+    """Prompt in, streamed text out, one request at a time.
+
+    Plain requests run through a serving engine of one sequence (``engine_config``, by
+    default one sequence of up to ``max_seq_len`` tokens with prefix caching: a prompt that
+    repeats an earlier one's blocks skips their prefill). With ``speculative`` set, tokens come
+    from speculative decoding over a contiguous cache of ``max_seq_len`` positions (same
+    outputs for greedy, same distribution for sampling) and ``metrics.spec`` reports acceptance;
+    its passes run in the engine configuration's kernel mode (``batch_invariant``).
     """
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
-                 speculative: Speculation | None = None, draft: LoadedModel | None = None) -> None:
+                 speculative: Speculation | None = None, draft: LoadedModel | None = None,
+                 engine_config: EngineConfig | None = None) -> None:
         tune_malloc()  # decode steps reuse their large buffers instead of page-faulting them in
         self.model = loaded.model
         if self.model.device.type == "cpu":
@@ -174,12 +153,22 @@ class TextGenerator:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
         self.speculative = speculative
-        # Verification appends up to k + 1 tokens past the committed length.
-        extra = speculative.num_speculative_tokens + 1 if speculative else 0
-        self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
-                                            device=self.model.device)
-        self.max_seq_len = self.kv_cache.max_seq_len - extra
-        self.speculator = speculative.start(loaded, self.kv_cache, draft) if speculative is not None else None
+        self.engine: LLMEngine | None = None
+        self.speculator: Speculator | None = None
+        config = engine_config or EngineConfig(max_num_seqs=1, max_model_len=max_seq_len)
+        # The speculative loop runs in the engine's kernel mode, so that its greedy output is
+        # the engine's plain greedy output, bit for bit.
+        self.batch_invariant = config.batch_invariant
+        if speculative is None:
+            self.engine = LLMEngine(loaded, config)
+            self.max_seq_len = self.engine.max_model_len
+        else:
+            # Verification appends up to k + 1 tokens past the committed length.
+            extra = speculative.num_speculative_tokens + 1
+            self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
+                                                device=self.model.device)
+            self.max_seq_len = self.kv_cache.max_seq_len - extra
+            self.speculator = speculative.start(loaded, self.kv_cache, draft)
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
@@ -195,7 +184,8 @@ class TextGenerator:
                chat: bool = False) -> GenerationStream:
         """Start generating; iterate the result for text pieces. Validation errors raise here.
 
-        ``prompt`` is text, chat messages, or token ids."""
+        ``prompt`` is text, chat messages, or token ids. A stream left unfinished is aborted
+        when the next request starts."""
         params = params or SamplingParams()
         start = time.perf_counter()
         if isinstance(prompt, list) and not prompt:
@@ -210,21 +200,32 @@ class TextGenerator:
             prompt_ids = self.encode_prompt(prompt, chat)
         else:
             raise ValueError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
-        check_request(len(prompt_ids), params, self.max_seq_len)
         stream = GenerationStream()
         stream.prompt_ids = prompt_ids
         stream.metrics.num_prompt_tokens = len(prompt_ids)
-        if self.speculator is None:
-            token_iter = generate_token_ids(self.model, prompt_ids, params, self.kv_cache, self.eos_token_ids)
-        else:
-            stream.metrics.spec, token_iter = self.speculator.generate(prompt_ids, params, self.eos_token_ids)
-        stream._pieces = self._pieces(token_iter, params, start, stream)
+        if self.engine is not None:
+            if not prompt_ids:
+                raise ValueError("the prompt is empty")
+            self.engine.abort_all()  # one request at a time: an abandoned stream gives way
+            request_id = self.engine.add_request(prompt_ids, params)
+            stream._pieces = self._engine_pieces(request_id, stream)
+            return stream
+        check_request(len(prompt_ids), params, self.max_seq_len)
+        stream.metrics.spec, token_iter = self.speculator.generate(prompt_ids, params, self.eos_token_ids)
+        stream._pieces = self._pieces(_in_kernel_mode(token_iter, self.batch_invariant), params, start, stream)
         return stream
 
     def generate(self, prompt: str | list[dict[str, str]], params: SamplingParams | None = None,
                  chat: bool = False) -> GenerationStream:
         """Generate to completion; the returned stream holds ``text``, ``token_ids`` and ``metrics``."""
         return self.stream(prompt, params, chat).consume()
+
+    def _engine_pieces(self, request_id: str, stream: GenerationStream) -> Iterator[str]:
+        for out in self.engine.outputs(request_id):
+            stream.token_ids = out.token_ids
+            stream.metrics = out.metrics
+            if out.new_text:
+                yield out.new_text
 
     def _pieces(self, token_iter: Iterator[int], params: SamplingParams, start: float,
                 stream: GenerationStream) -> Iterator[str]:

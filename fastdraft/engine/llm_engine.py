@@ -18,7 +18,7 @@ import torch
 
 from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.block_manager import BlockManager
-from fastdraft.engine.generate import GenerationMetrics
+from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.scheduler import Scheduler, SchedulerConfig
 from fastdraft.engine.sequence import Sequence
@@ -252,11 +252,23 @@ class LLMEngine:
                        logprobs=None if out.logprobs is None else list(out.logprobs),
                        metrics=replace(metrics, token_latencies_s=list(metrics.token_latencies_s)))
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request."""
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Add one request and yield its outputs as they come, stepping the engine while none is
+        """Add one request and yield its outputs as they come (``outputs``). The request is
+        added, and checked, when iteration starts."""
+        yield from self.outputs(self.add_request(prompt, params))
+
+    def outputs(self, request_id: str) -> Iterator[RequestOutput]:
+        """Yield an added request's outputs as they come, stepping the engine while none is
         waiting; other requests advance in the same steps, and several streams may be read in
-        turn. Ends when the request finishes or is aborted."""
-        request_id = self.add_request(prompt, params)
+        turn. Ends when the request finishes or is aborted; closing the iterator before then
+        aborts the request."""
+        if request_id not in self._requests:
+            raise ValueError(f"no unfinished request {request_id!r}")
         queue = self._streams[request_id] = deque()
         try:
             while True:
@@ -270,6 +282,7 @@ class LLMEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self.abort_request(request_id)  # a no-op once it has finished
 
 
 @torch.inference_mode()

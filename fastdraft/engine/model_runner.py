@@ -8,15 +8,12 @@ import time
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
-from fastdraft.engine.generate import make_generator
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
 from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.sampler import apply_penalties, sample_batch
-from fastdraft.layers.linear import has_hooks
-from fastdraft.models.fused_decoder import FusedDecoder
+from fastdraft.layers.sampler import apply_penalties, make_generator, sample_batch
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -38,9 +35,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.batch_invariant = batch_invariant
-        # All decoder layers of a weight-only model in one C++ call per step, built once here;
-        # None: the model's module path (dense weights, hooks, no CPU kernels, CUDA).
-        self.decoder = self._build_decoder(model) if is_paged_block_size(kv_cache.block_size) else None
+        # All decoder layers in one C++ call per step, built once here; None: the model's module
+        # path (hooks, no CPU kernels, CUDA, a block size the C++ attention does not take).
+        self.decoder = model.fused_decoder() if is_paged_block_size(kv_cache.block_size) else None
         self._generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
         # The log-probabilities of the last step's sampled tokens, for requests that ask
@@ -49,14 +46,6 @@ class ModelRunner:
         # Wall time spent preparing and running the model, and sampling, over all steps.
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
-
-    @staticmethod
-    def _build_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
-        if model.device.type != "cpu" or has_hooks(model) or has_hooks(model.model):
-            return None
-        with torch.inference_mode():
-            decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
-        return decoder if decoder is not None and decoder.is_weight_only else None
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""

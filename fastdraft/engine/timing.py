@@ -19,10 +19,11 @@ def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int])
     """Median greedy next-token latency in milliseconds."""
     cache = KVCache.from_config(model.config, len(prompt_ids) + num_tokens + 1, dtype=model.dtype, device=model.device)
     logits = prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
+    decoder = model.fused_decoder()
     times = []
     for _ in range(num_tokens):
         start = time.perf_counter()
-        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache)
+        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache, decoder=decoder)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
 

@@ -6,6 +6,7 @@ import torch
 
 from fastdraft.kernels.fused import decode_attention, paged_attention_kernel_applies, sdpa
 from fastdraft.kernels.fused import paged_attention as paged_attention_kernel
+from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.layers.kv_cache import AttentionMetadata, PagedAttentionMetadata
 
 # Most tokens appended to a cached prefix that attend through decode_attention's causal
@@ -25,14 +26,19 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     batch, num_heads, num_tokens, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if meta.is_prefill:
+    is_invariant = is_batch_invariant()
+    if meta.is_prefill and not is_invariant:
         return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-    if meta.contiguous_start is not None and 1 < num_tokens <= MAX_CAUSAL_DECODE_TOKENS:
-        # A few tokens appended to a cached prefix (speculative verification): each token
-        # attends over exactly its visible prefix with the arithmetic of a one-token decode
-        # step, so both give bit-identical outputs.
+    if meta.contiguous_start is not None and 1 < num_tokens and (num_tokens <= MAX_CAUSAL_DECODE_TOKENS
+                                                                 or is_invariant):
+        # A few tokens appended to a cached prefix (speculative verification), or in
+        # batch-invariant mode any number: each token attends over exactly its visible prefix
+        # with the arithmetic of a one-token decode step, as the paged attention computes every
+        # row, so all of them give bit-identical outputs.
         keys = meta.contiguous_start + num_tokens
         return _grouped_attention(q, k[:, :, :keys], v[:, :, :keys], None, scale)
+    if meta.is_prefill:
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     return _grouped_attention(q, k, v, meta.attn_mask, scale)
 
 

@@ -14,6 +14,16 @@ from fastdraft.kernels.build import load_x86_extension
 from fastdraft.sampling_params import SamplingParams
 
 
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A request's own random stream: seeded, or from fresh entropy without a seed."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab_size] fp32 logits -> probabilities after temperature, top-k and top-p."""
     if params.is_greedy:

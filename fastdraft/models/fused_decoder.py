@@ -1,12 +1,12 @@
-"""Decode and verification steps of a Llama-family model as one C++ call.
+"""The decoder layers of a Llama-family model as one C++ call: the CPU backend of its forward pass.
 
-A batch-1 decode step is a few weight-bound matmuls per layer plus ~15 small ops; run from
-Python, those small ops cost about as much as the elementwise work itself. For forward passes
-that append a few tokens (``<= MAX_FUSED_TOKENS``) to one cached sequence -- plain decoding
-and speculative verification -- :class:`FusedDecoder` runs all decoder layers in
-``csrc/decoder_x86.cpp``, which chains the very kernels the module path calls, in the same
-order and dtypes. The two paths give bit-identical hidden states (tested); the module path in
-``llama.py`` is the reference twin and serves everything else (prefill, batches, hooks, CUDA).
+A decode step is a few weight-bound matmuls per layer plus ~15 small ops; run from Python,
+those small ops cost about as much as the elementwise work itself. :class:`FusedDecoder` runs
+all decoder layers in ``csrc/decoder_x86.cpp``, which chains the very kernels the module path
+calls, in the same order and dtypes: for a flat batch of sequences over a paged cache (the
+serving engine's step), and for a few tokens appended to one contiguous cache (the
+single-sequence speculative loop). The paths give bit-identical results (tested); the module
+path in ``llama.py`` is the reference twin and serves hooks and CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
 from fastdraft.layers.kv_cache import AttentionMetadata, KVCache, PagedAttentionMetadata, PagedKVCache
@@ -24,7 +25,6 @@ from fastdraft.layers.quant_linear import QuantLinear
 # Tokens per pass for which the module path's attention makes the same decode_attention call
 # as the fused path (layers.attention.cached_attention), so the two stay bit-identical.
 MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
-_CACHE_ATTR = "_fused_decoder"
 
 
 def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
@@ -86,30 +86,18 @@ def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, m
                             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
 
-class _ModuleWatch:
-    """The submodules the C++ layers were built from: when one is swapped (e.g. quantized in
-    place) the C++ side must be rebuilt. Compares the module dicts' contents by identity,
-    about 8 us per forward on a 28-layer model (tuples of ids cost 55 us)."""
-
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self._dicts = [layers._modules] + [d for layer in layers for d in
-                                           (layer._modules, layer.self_attn._modules, layer.mlp._modules)]
-        self._values = self._snapshot()
-
-    def _snapshot(self) -> list[tuple]:
-        return list(map(tuple, map(dict.values, self._dicts)))
-
-    def is_current(self) -> bool:
-        return self._snapshot() == self._values
-
-
 class FusedDecoder:
-    """All decoder layers of one model, built for one activation dtype and ``min_rows``."""
+    """All decoder layers of one model, built for one activation dtype and ``min_rows``.
+
+    Built from the layers' modules as they are at that moment (``LlamaForCausalLM.fused_decoder``)
+    and owned by whoever built it: the engine's runner, a speculative proposer. A module
+    replaced afterwards (quantized in place, say) is not seen; build a new decoder then."""
 
     def __init__(self, ext, layer_ops: list, dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
         self.ext = ext
         self.layer_ops = layer_ops
         self.dtype, self.device, self.min_rows = dtype, device, min_rows
+        self.is_weight_only = ext.decoder_is_weight_only(layer_ops)
         self._head: tuple[nn.Module, object] | None = None  # (LM head module, its C++ op)
         # (the tensors and ops a C++ DecoderStep was built from, the slot, storages and eps,
         # the step): one KV cache slot
@@ -153,10 +141,12 @@ class FusedDecoder:
                                         kv_cache.v[:, slot], meta.contiguous_start, weight, eps, head,
                                         num_logit_rows)
 
-    @property
-    def is_weight_only(self) -> bool:
-        """Whether every projection is weight-only: what :meth:`forward_paged` needs."""
-        return self.ext.decoder_is_weight_only(self.layer_ops)
+    def accepts(self, kv_cache: KVCache, meta: AttentionMetadata) -> bool:
+        """Whether a pass over a contiguous cache can run here: a decode or verification step
+        of one sequence, at most ``MAX_FUSED_TOKENS`` tokens, in this decoder's dtype."""
+        return (meta.batch_size == 1 and meta.contiguous_start is not None and not meta.is_prefill
+                and meta.num_tokens <= MAX_FUSED_TOKENS and kv_cache.k.dtype == self.dtype
+                and not torch.is_grad_enabled())
 
     def forward_paged(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
@@ -165,12 +155,15 @@ class FusedDecoder:
         """A flat batch of sequences over a paged cache: hidden_states [num_tokens, hidden_size],
         cos/sin [num_tokens, head_dim] -> hidden states after the last layer (after the final
         norm too with ``norm``), all layers in one C++ parallel region, bit-identical to the
-        module path. With a weight-only ``head`` op and ``logit_rows`` [n] too: the fp32 logits
-        [n, vocab_size] of those rows, the head run inside the region."""
+        module path. Weight-only layers run in one parallel region; with a weight-only ``head``
+        op and ``logit_rows`` [n] too, it returns the fp32 logits [n, vocab_size] of those
+        rows, the head run inside the region. Dense layers run one by one, their kernels as
+        :func:`~fastdraft.kernels.mode.is_batch_invariant` says."""
         weight, eps = norm if norm is not None else (None, 0.0)
         return self.ext.decoder_forward_paged(self.layer_ops, hidden_states, cos, sin, kv_cache.k, kv_cache.v,
                                               meta.slot_mapping, meta.block_tables, meta.query_start_loc_tensor,
-                                              meta.context_lens_tensor, weight, eps, head, logit_rows)
+                                              meta.context_lens_tensor, weight, eps, head, logit_rows,
+                                              is_batch_invariant())
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, embed: nn.Embedding,
                rotary: nn.Module, norm: nn.Module, lm_head: nn.Module, num_logit_rows: int) -> torch.Tensor | None:
@@ -196,22 +189,3 @@ class FusedDecoder:
                                         kv_cache.v[:, slot], norm.weight.detach(), norm.eps, head)
             self._step = (key, values, step)
         return self._step[2].logits(input_ids.view(-1), meta.contiguous_start, num_logit_rows)
-
-
-def fused_decoder_for(owner: nn.Module, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
-                      kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
-                      is_model_unchanged: bool = False) -> FusedDecoder | None:
-    """The (cached) fused decoder of ``owner`` if a forward pass with activations of ``dtype``
-    on ``device`` can use it, else ``None``. ``is_model_unchanged``: the caller knows no layer
-    module was replaced since the previous call (the steps of one draft proposal), so the
-    cached decoder is not checked against the modules (60-100 us with cold caches)."""
-    if (meta.batch_size != 1 or meta.contiguous_start is None or meta.is_prefill or meta.num_tokens > MAX_FUSED_TOKENS
-            or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
-            or kv_cache.k.dtype != dtype or torch.is_grad_enabled()):
-        return None
-    key = (dtype, min_rows)
-    entry = owner.__dict__.get(_CACHE_ATTR)  # (key, decoder, watch)
-    if entry is None or entry[0] != key or not (is_model_unchanged or entry[2].is_current()):
-        entry = owner.__dict__[_CACHE_ATTR] = (key, FusedDecoder.build(layers, dtype, device, min_rows),
-                                               _ModuleWatch(layers))
-    return entry[1]

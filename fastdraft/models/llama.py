@@ -21,9 +21,7 @@ from fastdraft.layers.linear import Linear, fused_linears, has_hooks
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.quant_linear import EXACT_MIN_ROWS, QuantLinear
 from fastdraft.layers.rotary import RotaryEmbedding
-from fastdraft.models.fused_decoder import FusedDecoder, fused_decoder_for
-
-
+from fastdraft.models.fused_decoder import FusedDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -103,15 +101,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        # Decode/verification steps run all layers in one C++ call where possible
-        # (models/fused_decoder.py); False forces the module path, its reference twin.
-        self.is_fused_decode_enabled = True
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 min_rows: int = 1, decoder: FusedDecoder | None = None) -> torch.Tensor:
         if decoder is not None and isinstance(meta, PagedAttentionMetadata):
             return self.forward_paged(input_ids, kv_cache, meta, decoder)
-        return self.forward_to(input_ids, kv_cache, meta, min_rows)[0]
+        return self.forward_to(input_ids, kv_cache, meta, min_rows, decoder)[0]
 
     def forward_paged(self, input_ids: torch.Tensor, kv_cache: PagedKVCache, meta: PagedAttentionMetadata,
                       decoder: FusedDecoder, head=None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,33 +122,27 @@ class LlamaModel(nn.Module):
             return out
         return (out if norm is not None else self.norm(out)).unsqueeze(0)
 
-    def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int,
-                    lm_head: nn.Module, num_logit_rows: int, is_model_unchanged: bool = False) -> torch.Tensor | None:
-        """fp32 logits [num_logit_rows, vocab] of a decode or verification step run in one C++
-        call from the token ids on (``FusedDecoder.logits``), or None when it cannot run there."""
-        weight = self.embed_tokens.weight
-        if not self.is_fused_decode_enabled:
+    def step_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                    lm_head: nn.Module, num_logit_rows: int, decoder: FusedDecoder | None) -> torch.Tensor | None:
+        """fp32 logits [num_logit_rows, vocab] of a decode or verification step run in
+        ``decoder``'s one C++ call from the token ids on (``FusedDecoder.logits``), or None
+        when it cannot run there."""
+        if decoder is None or not decoder.accepts(kv_cache, meta):
             return None
-        fused = fused_decoder_for(self, self.layers, weight.dtype, weight.device, kv_cache, meta, min_rows,
-                                  is_model_unchanged)
-        if fused is None:
-            return None
-        return fused.logits(input_ids, kv_cache, meta, self.embed_tokens, self.rotary_emb, self.norm, lm_head,
-                            num_logit_rows)
+        return decoder.logits(input_ids, kv_cache, meta, self.embed_tokens, self.rotary_emb, self.norm, lm_head,
+                              num_logit_rows)
 
     def forward_to(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, min_rows: int = 1,
-                   lm_head: nn.Module | None = None, num_logit_rows: int = 0) -> tuple[torch.Tensor, bool]:
+                   decoder: FusedDecoder | None = None, lm_head: nn.Module | None = None,
+                   num_logit_rows: int = 0) -> tuple[torch.Tensor, bool]:
         """-> (final hidden states [batch, num_tokens, hidden_size], False); or, given
-        ``lm_head``, when the fused C++ call can run it too (a decode or verification step),
-        (its output for the last ``num_logit_rows`` tokens [rows, out_features] in the
-        activation dtype, True)."""
+        ``lm_head``, when ``decoder`` can run it too (a decode or verification step), (its
+        output for the last ``num_logit_rows`` tokens [rows, out_features] in the activation
+        dtype, True)."""
         hidden_states = self.embed_tokens(input_ids)  # [batch, num_tokens, hidden_size]
         num_tokens = hidden_states.shape[1]
         cos, sin = self.rotary_emb(meta.positions, hidden_states.dtype)  # [batch, num_tokens, head_dim]
-        fused = None
-        if self.is_fused_decode_enabled:
-            fused = fused_decoder_for(self, self.layers, hidden_states.dtype, hidden_states.device, kv_cache, meta,
-                                      min_rows)
+        fused = decoder if decoder is not None and decoder.accepts(kv_cache, meta) else None
         if fused is not None:
             norm = fused.norm_args(self.norm)
             head = fused.head_op(lm_head) if norm is not None and lm_head is not None else None
@@ -205,8 +194,8 @@ class LlamaForCausalLM(nn.Module):
         layers, the final norm and a weight-only LM head in ``decoder``'s one C++ call:
         ``compute_logits(forward(...)[0, logit_rows])``, bit for bit. None when the head or the
         norm cannot run there."""
-        is_norm_inside = decoder.is_fusable_norm(self.model.norm)
-        head = decoder.head_op(self.lm_head) if is_norm_inside and isinstance(self.lm_head, QuantLinear) else None
+        is_inside = decoder.is_weight_only and decoder.is_fusable_norm(self.model.norm)
+        head = decoder.head_op(self.lm_head) if is_inside and isinstance(self.lm_head, QuantLinear) else None
         if head is None:
             return None
         return self.model.forward_paged(input_ids, kv_cache, meta, decoder, head,
@@ -221,15 +210,21 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(rows)[:num_rows].float()
         return logits.view(*hidden_states.shape[:-1], -1)
 
-    def decode_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                      num_logit_rows: int | None = None, is_model_unchanged: bool = False) -> torch.Tensor:
-        """fp32 logits [num_logit_rows, vocab_size] of the last rows (default: all) of a
-        batch-1 pass: ``compute_logits(forward(...))``, bit for bit, but for decode and
-        verification steps run as one C++ call with the LM head inside the decoder's region.
+    def fused_decoder(self) -> FusedDecoder | None:
+        """A C++ decoder of this model's layers as they are now, for the caller to own and pass
+        to ``forward`` or ``decode_logits``; None where it cannot run (off the CPU kernels, on
+        CUDA, with hooks observing the model)."""
+        if self.device.type != "cpu" or has_hooks(self) or has_hooks(self.model):
+            return None
+        with torch.inference_mode():
+            return FusedDecoder.build(self.model.layers, self.dtype, self.device, self.min_rows)
 
-        ``is_model_unchanged``: the caller knows no module of the model was replaced since its
-        previous call (the later steps of one draft proposal, with no other code between), so
-        the C++ decoder is not checked against the modules again."""
+    def decode_logits(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                      num_logit_rows: int | None = None, decoder: FusedDecoder | None = None) -> torch.Tensor:
+        """fp32 logits [num_logit_rows, vocab_size] of the last rows (default: all) of a
+        batch-1 pass: ``compute_logits(forward(...))``, bit for bit; with the caller's
+        ``decoder`` (:meth:`fused_decoder`), decode and verification steps run as one C++ call
+        with the LM head inside the decoder's region."""
         num_tokens = input_ids.shape[1]
         rows = num_tokens if num_logit_rows is None else num_logit_rows
         if input_ids.shape[0] != 1 or not 1 <= rows <= num_tokens:
@@ -237,11 +232,10 @@ class LlamaForCausalLM(nn.Module):
                              f"batch {input_ids.shape[0]} and {rows} rows")
         if has_hooks(self) or has_hooks(self.model):  # observed calls go through forward
             return self.compute_logits(self(input_ids, kv_cache, meta)[0, num_tokens - rows:])
-        logits = self.model.step_logits(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows,
-                                        is_model_unchanged)
+        logits = self.model.step_logits(input_ids, kv_cache, meta, self.lm_head, rows, decoder)
         if logits is not None:
             return logits
-        out, is_logits = self.model.forward_to(input_ids, kv_cache, meta, self.min_rows, self.lm_head, rows)
+        out, is_logits = self.model.forward_to(input_ids, kv_cache, meta, self.min_rows, decoder, self.lm_head, rows)
         if is_logits:
             return out.float()
         return self.compute_logits(out[0, num_tokens - rows:])

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fastdraft.engine.generate import check_request, make_generator, prefill
+from fastdraft.engine.generate import check_request, prefill
 from fastdraft.layers.kv_cache import KVCache
-from fastdraft.layers.sampler import logits_to_probs, sample
+from fastdraft.layers.sampler import logits_to_probs, make_generator, sample
+from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.draft_length import AdaptiveDraftLength, modeled_step_costs, step_costs_for
@@ -100,6 +101,7 @@ class Speculator:
     def __init__(self, target: LlamaForCausalLM, proposer, kv_cache: KVCache, num_speculative_tokens: int,
                  is_adaptive: bool) -> None:
         self.target = target
+        self.target_decoder = target.fused_decoder()  # the target's verification passes in one C++ call
         self.proposer = proposer
         self.kv_cache = kv_cache
         self.num_speculative_tokens = num_speculative_tokens
@@ -109,15 +111,18 @@ class Speculator:
                  eos_token_ids: list[int]) -> tuple[SpecMetrics, Iterator[int]]:
         metrics = SpecMetrics()
         return metrics, speculative_generate(self.target, self.proposer, prompt_ids, params, self.kv_cache,
-                                             eos_token_ids, self.num_speculative_tokens, self.is_adaptive, metrics)
+                                             eos_token_ids, self.num_speculative_tokens, self.is_adaptive, metrics,
+                                             self.target_decoder)
 
 
 @torch.inference_mode()
 def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[int], params: SamplingParams,
                          kv_cache: KVCache, eos_token_ids: list[int], num_speculative_tokens: int = 4,
-                         adaptive: bool = True, metrics: SpecMetrics | None = None) -> Iterator[int]:
+                         adaptive: bool = True, metrics: SpecMetrics | None = None,
+                         target_decoder: FusedDecoder | None = None) -> Iterator[int]:
     """Yield new token ids, as :func:`fastdraft.engine.generate.generate_token_ids` does,
-    using ``proposer`` to draft and ``target`` to verify.
+    using ``proposer`` to draft and ``target`` to verify (through ``target_decoder``, its
+    fused C++ decoder, when given).
 
     ``adaptive``: each step's draft length follows the acceptance so far and the passes' costs,
     measured once per proposer and prompt-length range. On the CPU, a seeded sampled request
@@ -169,7 +174,7 @@ def speculative_generate(target: LlamaForCausalLM, proposer, prompt_ids: list[in
         kv_cache.truncate(len(tokens) - 1)  # drop draft entries a shared cache may hold
         input_ids = torch.cat([torch.tensor([tokens[-1]], device=device), draft_ids]).unsqueeze(0)
         meta = kv_cache.append(input_ids.shape[1])
-        target_logits = target.decode_logits(input_ids, kv_cache, meta)  # [k + 1, vocab]
+        target_logits = target.decode_logits(input_ids, kv_cache, meta, decoder=target_decoder)  # [k + 1, vocab]
         if params.is_greedy:
             result = verify_greedy(draft_ids, target_logits)
         else:

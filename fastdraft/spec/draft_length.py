@@ -61,13 +61,14 @@ def measure_step_costs(target: LlamaForCausalLM, proposer, k_max: int, context_l
 
     def make_pass(model: LlamaForCausalLM, cache: KVCache, num_tokens: int):
         step = torch.zeros(1, num_tokens, dtype=torch.long, device=model.device)
+        decoder = model.fused_decoder()
 
         def run() -> None:
             # The context's keys/values are the cache's zeros: only its length matters to the
             # time, so no prefill is needed.
             cache.truncate(0)
             cache.append(context_len)
-            model.decode_logits(step, cache, cache.append(num_tokens))
+            model.decode_logits(step, cache, cache.append(num_tokens), decoder=decoder)
 
         run()  # warm-up
         return run

@@ -48,6 +48,7 @@ class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
                  min_confidence: float = 0.0, token_ids: torch.Tensor | None = None) -> None:
         self.model = model
+        self.decoder = model.fused_decoder()  # the draft's steps in one C++ call each
         self.kv_cache = kv_cache
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence
@@ -77,9 +78,7 @@ class DraftModelProposer:
         is_confident: list[bool] = []
         for step in range(num_tokens):
             meta = self.kv_cache.append(input_ids.shape[1])
-            # Nothing runs between one proposal's steps that could replace the draft's modules.
-            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1,
-                                              is_model_unchanged=step > 0)  # [1, draft_vocab]
+            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1, self.decoder)  # [1, draft_vocab]
             if params.is_greedy:
                 probs = None
                 next_id = greedy_ids(logits)  # [1]

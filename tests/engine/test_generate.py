@@ -139,13 +139,31 @@ def test_generation_can_fill_the_cache_exactly(tiny_loaded):
     assert len(out) == 10
 
 
-def test_generator_reuses_its_cache(generator):
-    ptr = generator.kv_cache.k.data_ptr()
-    a = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    b = generator.generate("the cat", SamplingParams(max_new_tokens=8, ignore_eos=True))
-    c = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert generator.kv_cache.k.data_ptr() == ptr
+def test_generator_runs_plain_requests_through_the_engine(generator, tiny_loaded):
+    engine = generator.engine
+    ptr = engine.kv_cache.k.data_ptr()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    a = generator.generate(PROMPT, params)
+    b = generator.generate("the cat", params)
+    c = generator.generate(PROMPT, params)
+    assert engine.kv_cache.k.data_ptr() == ptr
     assert a.token_ids == c.token_ids and a.token_ids != b.token_ids
+    assert a.token_ids == _ids(tiny_loaded, params)  # the single-sequence functions agree
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # What only the engine serves, such as penalties.
+    penalized = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                          repetition_penalty=1.5))
+    assert len(penalized.token_ids) == 8
+
+
+def test_an_abandoned_stream_gives_way_to_the_next_request(generator):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    expected = generator.generate(PROMPT, params).token_ids
+    stream = generator.stream("the cat", params)
+    next(iter(stream))  # started, then left unfinished
+    assert generator.generate(PROMPT, params).token_ids == expected
+    assert not generator.engine.has_unfinished_requests
+    assert generator.engine.block_manager.usage == 0
 
 
 def test_generate_token_ids_stops_at_eos(tiny_loaded):

@@ -17,6 +17,7 @@ from fastdraft.llm import LLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
+from fastdraft.spec.config import SpeculativeConfig
 from tests.helpers import paged_batch
 
 PROMPTS = ["def add(a, b):", "class Model:\n    def __init__(self):", "import os\n", "x = 1\ny = 2\n" * 6,
@@ -192,7 +193,7 @@ def test_penalties_follow_vllms_formulas():
             SamplingParams(**bad)
 
 
-def test_engine_extras_min_tokens_logprobs_and_a_refusing_text_generator(tiny_models):
+def test_engine_extras_min_tokens_logprobs_and_a_refusing_speculative_loop(tiny_models):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
     sampled = dict(max_new_tokens=8, temperature=1.0, seed=5)
@@ -206,8 +207,9 @@ def test_engine_extras_min_tokens_logprobs_and_a_refusing_text_generator(tiny_mo
     for token, (chosen, top) in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])  # greedy: the top one
         assert chosen <= 0 and sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
+    speculative = TextGenerator(loaded, max_seq_len=64, speculative=SpeculativeConfig(draft="ngram"))
     with pytest.raises(ValueError, match="serving engine"):
-        TextGenerator(loaded, max_seq_len=64).generate("x", SamplingParams(max_new_tokens=2, presence_penalty=1.0))
+        speculative.generate("x", SamplingParams(max_new_tokens=2, presence_penalty=1.0))
 
 
 def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models):

@@ -8,8 +8,8 @@ import torch
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.layers.kv_cache import KVCache, PagedKVCache
-from fastdraft.models.fused_decoder import (MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op,
-                                            fused_decoder_for)
+from fastdraft.kernels.mode import batch_invariant
+from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from tests.helpers import paged_batch
@@ -37,8 +37,10 @@ def _model(tiny_models, variant: str, dtype: str, quant: str):
 
 
 def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int]) -> list[torch.Tensor]:
-    """Prefill a prompt, then append ``chunks`` of tokens; hidden states of every chunk."""
-    model.model.is_fused_decode_enabled = is_fused
+    """Prefill a prompt, then append ``chunks`` of tokens; hidden states of every chunk (through
+    a fused decoder built for the model as it is now, or the module path)."""
+    decoder = model.fused_decoder() if is_fused else None
+    assert decoder is not None or not is_fused, "the fused decoder could not be built"
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
@@ -48,7 +50,7 @@ def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int]) -> list[to
         model(torch.randint(0, vocab, (1, prompt_len), generator=gen), cache, meta)
         for n in chunks:
             meta = cache.append(n)
-            out.append(model(torch.randint(0, vocab, (1, n), generator=gen), cache, meta))
+            out.append(model(torch.randint(0, vocab, (1, n), generator=gen), cache, meta, decoder))
             if n > 1:  # a verification that rejected its last token
                 cache.truncate(cache.seq_lens[0] - 1)
     return out
@@ -61,15 +63,16 @@ def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
     model = _model(tiny_models, variant, dtype, quant)
     chunks = [1, 1, 5, 1, 3, MAX_FUSED_TOKENS, 1]
     fused = _steps(model, True, 7, chunks)
-    assert model.model.__dict__["_fused_decoder"][1] is not None, "the fused path was not taken"
     reference = _steps(model, False, 7, chunks)
     for got, want in zip(fused, reference):
         assert torch.equal(got, want)
 
 
-def _decode_logits_both_paths(model, steps: list[tuple[int, int]], seed: int = 0):
+def _decode_logits_both_paths(model, steps: list[tuple[int, int]], seed: int = 0, decoder=None):
     """After a 7-token prompt, append (num_tokens, num_rows) steps of random tokens; per step
-    (decode_logits, compute_logits(forward) through the module path), each on its own cache."""
+    (decode_logits through ``decoder``, default a new one, compute_logits(forward) through the
+    module path), each on its own cache."""
+    decoder = decoder or model.fused_decoder()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
@@ -80,10 +83,8 @@ def _decode_logits_both_paths(model, steps: list[tuple[int, int]], seed: int = 0
             model(prompt, cache, cache.append(7))
         for num_tokens, num_rows in steps:
             ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
-            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows)
-            model.model.is_fused_decode_enabled = False
+            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows, decoder)
             want = model.compute_logits(model(ids, caches[1], caches[1].append(num_tokens))[0, -num_rows:])
-            model.model.is_fused_decode_enabled = True
             pairs.append((got, want))
     return pairs
 
@@ -110,7 +111,7 @@ def test_fused_decoder_same_bits_for_any_thread_count(tiny_models, quant):
 def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny_models):
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
     expected = _steps(model, True, 7, [1, 3])
-    decoder = model.model.__dict__["_fused_decoder"][1]
+    decoder = model.fused_decoder()
     layers = model.model.layers
     attn = layers[0].self_attn
     ext = decoder.ext
@@ -139,25 +140,24 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
 def test_fused_path_only_for_decode_shapes(tiny_models):
     model = _model(tiny_models, "llama", "fp32", "dense")
     cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
-    layers, cpu = model.model.layers, torch.device("cpu")
+    decoder = model.fused_decoder()
     with torch.inference_mode():
-        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is None  # prefill
-        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is not None
-        assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache,
-                                 cache.append(MAX_FUSED_TOKENS + 1), 1) is None
-        # activations of another dtype than the cache's
-        assert fused_decoder_for(model.model, layers, torch.bfloat16, cpu, cache, cache.append(1), 1) is None
+        assert not decoder.accepts(cache, cache.append(4))  # prefill
+        assert decoder.accepts(cache, cache.append(4))
+        assert not decoder.accepts(cache, cache.append(MAX_FUSED_TOKENS + 1))
+        bf16_cache = KVCache.from_config(model.config, 64, dtype=torch.bfloat16)
+        bf16_cache.append(2)
+        assert not decoder.accepts(bf16_cache, bf16_cache.append(1))  # a cache of another dtype
     # Autograd needs the module path.
-    assert fused_decoder_for(model.model, layers, torch.float32, cpu, cache, cache.append(4), 1) is None
+    assert not decoder.accepts(cache, cache.append(4))
 
 
-def test_fused_decoder_rebuilds_after_quantization(tiny_models):
+def test_a_decoder_is_a_snapshot_of_the_modules_it_was_built_from(tiny_models):
+    # The decoder's owner builds a new one after replacing modules (quantizing in place).
     model = _model(tiny_models, "llama", "fp32", "dense")
     before = _steps(model, True, 5, [1])
-    first = model.model.__dict__["_fused_decoder"]
     quantize_model(model, QUANTS["int4-g32-sym"], show_progress=False)
     after = _steps(model, True, 5, [1])
-    assert model.model.__dict__["_fused_decoder"] is not first
     assert not torch.equal(before[0], after[0])
     assert torch.equal(after[0], _steps(model, False, 5, [1])[0])
 
@@ -170,10 +170,11 @@ def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, va
     # decoder's region); the logits must equal the module path's, row for row.
     model = _model(tiny_models, variant, dtype, quant)
     steps = [(1, 1), (5, 5), (3, 1), (MAX_FUSED_TOKENS, 2)]
-    for (_, num_rows), (got, want) in zip(steps, _decode_logits_both_paths(model, steps)):
+    decoder = model.fused_decoder()
+    for (_, num_rows), (got, want) in zip(steps, _decode_logits_both_paths(model, steps, decoder=decoder)):
         assert got.shape == (num_rows, model.config.vocab_size) and got.dtype == torch.float32
         assert torch.equal(got, want)
-    assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
+    assert decoder.head_op(model.lm_head) is not None
 
 
 def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models):
@@ -182,19 +183,19 @@ def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models
     # weight it holds changes -- and always giving the module path's logits.
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
     steps = [(1, 1)] * 3 + [(4, 4)]
-    for got, want in _decode_logits_both_paths(model, steps):
+    decoder = model.fused_decoder()
+    for got, want in _decode_logits_both_paths(model, steps, decoder=decoder):
         assert torch.equal(got, want)
-    decoder = model.model.__dict__["_fused_decoder"][1]
     step = decoder._step[2]
     other = KVCache.from_config(model.config, 64, dtype=model.dtype)
     with torch.inference_mode():
         model(torch.zeros(1, 3, dtype=torch.long), other, other.append(3))
-        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
+        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1), decoder=decoder)
         assert decoder._step[2] is not step
         step = decoder._step[2]
-        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1))
+        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1), decoder=decoder)
         assert decoder._step[2] is step
-    for got, want in _decode_logits_both_paths(model, [(1, 1), (2, 1)], seed=3):  # back on other caches
+    for got, want in _decode_logits_both_paths(model, [(1, 1), (2, 1)], seed=3, decoder=decoder):  # other caches
         assert torch.equal(got, want)
 
 
@@ -206,13 +207,12 @@ def test_decoder_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_mod
     gen = torch.Generator().manual_seed(5)
     caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
     norm, embed = model.model.norm, model.model.embed_tokens
+    decoder = model.fused_decoder()
 
     def step_both_paths() -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(0, vocab, (1, 1), generator=gen)
-        got = model.decode_logits(ids, caches[0], caches[0].append(1))
-        model.model.is_fused_decode_enabled = False
+        got = model.decode_logits(ids, caches[0], caches[0].append(1), decoder=decoder)
         want = model.compute_logits(model(ids, caches[1], caches[1].append(1))[0, -1:])
-        model.model.is_fused_decode_enabled = True
         return got, want
 
     with torch.inference_mode():
@@ -239,7 +239,8 @@ def test_decoder_step_rejects_token_ids_outside_the_vocabulary(tiny_models):
     with torch.inference_mode():
         model(torch.zeros(1, 3, dtype=torch.long), cache, cache.append(3))
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            model.decode_logits(torch.tensor([[model.config.vocab_size]]), cache, cache.append(1))
+            model.decode_logits(torch.tensor([[model.config.vocab_size]]), cache, cache.append(1),
+                                decoder=model.fused_decoder())
 
 
 def test_decode_logits_rejects_bad_rows(tiny_models):
@@ -277,13 +278,13 @@ def test_output_projection_and_head_biases_match_module_path(tiny_models, dtype,
     assert all(m.bias is not None for m in (model.lm_head, layers[0].self_attn.o_proj, layers[-1].mlp.down_proj))
     chunks = [1, 5, 1, 3]
     fused = _steps(model, True, 7, chunks)
-    assert model.model.__dict__["_fused_decoder"][1] is not None, "the fused path was not taken"
     reference = _steps(model, False, 7, chunks)
     for got, want in zip(fused, reference):
         assert torch.equal(got, want)
-    [(got, want)] = _decode_logits_both_paths(model, [(3, 3)], seed=1)
+    decoder = model.fused_decoder()
+    [(got, want)] = _decode_logits_both_paths(model, [(3, 3)], seed=1, decoder=decoder)
     assert torch.equal(got, want)
-    assert model.model.__dict__["_fused_decoder"][1].head_op(model.lm_head) is not None
+    assert decoder.head_op(model.lm_head) is not None
 
 
 def _paged_steps(model, decoder) -> list[torch.Tensor]:
@@ -316,13 +317,18 @@ def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, d
         assert torch.equal(got, want)
 
 
-def test_paged_fused_decoder_needs_weight_only_layers(tiny_models):
-    model = _model(tiny_models, "llama", "bf16", "dense")
-    with torch.inference_mode():
-        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+@pytest.mark.parametrize("is_invariant", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_paged_dense_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, is_invariant):
+    # Dense layers run one by one (oneDNN's GEMMs need their own threads), in either kernel
+    # mode: the mode picks the same dense kernel in C++ as in the module path.
+    model = _model(tiny_models, variant, dtype, "dense")
+    decoder = model.fused_decoder()
     assert decoder is not None and not decoder.is_weight_only
-    with pytest.raises(RuntimeError, match="weight-only"):
-        _paged_steps(model, decoder)
+    with batch_invariant(is_invariant):
+        for got, want in zip(_paged_steps(model, decoder), _paged_steps(model, None)):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -63,15 +63,19 @@ struct Linear {
     return true;
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K]
+  // x [M, K]. is_batch_invariant: as fastdraft.kernels.mode.batch_invariant, the dense
+  // row-invariant kernel at every row count.
+  torch::Tensor operator()(const torch::Tensor& x, bool is_batch_invariant = false) const {
     if (!parts.empty()) {
       std::vector<torch::Tensor> outs;
-      for (const auto& part : parts) outs.push_back((*part)(x));
+      for (const auto& part : parts) outs.push_back((*part)(x, is_batch_invariant));
       return at::cat(outs, 1);
     }
     if (weight.defined()) {
       // As fastdraft.kernels.fused.dense_linear: the row-invariant kernel needs no padding.
-      if (fastdraft::dense_bf16_applies(x, weight, bias)) return fastdraft::dense_bf16_linear(x, weight, bias);
+      if (fastdraft::dense_bf16_applies(x, weight, bias) ||
+          (is_batch_invariant && fastdraft::dense_bf16_supports(x, weight, bias)))
+        return fastdraft::dense_bf16_linear(x, weight, bias);
       const int64_t m = x.size(0);
       if (m >= min_rows) return at::linear(x, weight, bias);
       auto padded = at::constant_pad_nd(x, {0, 0, 0, min_rows - m});
@@ -418,6 +422,25 @@ struct PagedAttention {
   }
 };
 
+// One layer of a flat batch over a paged pool with dense (or mixed) projections, whose oneDNN
+// GEMMs need their own threads: the ops one by one, as layer_forward runs them, with the
+// region's paged attention steps in between, so the results are the module path's bit for bit.
+torch::Tensor layer_forward_paged(const DecoderLayer& layer, int i, const torch::Tensor& h, const torch::Tensor& cos,
+                                  const torch::Tensor& sin, PagedAttention& attention, bool is_batch_invariant) {
+  const int64_t num_tokens = h.size(0);
+  auto qkv = (*layer.qkv)(rms_norm(h, layer.input_norm, layer.eps), is_batch_invariant).contiguous();
+  attention.replan(layer, i, num_tokens);
+  at::parallel_for(0, layer.num_kv_heads, 1,
+                   [&](int64_t g0, int64_t g1) { attention.rope(qkv, cos, sin, layer, i, g0, g1); });
+  at::parallel_for(0, attention.num_items(), 1, [&](int64_t i0, int64_t i1) { attention.items(i0, i1); });
+  auto attn = torch::empty({num_tokens, layer.num_heads * layer.head_dim}, h.options());  // [T, q_size]
+  at::parallel_for(0, layer.num_heads, 1,
+                   [&](int64_t j0, int64_t j1) { attention.finish(num_tokens, attn, j0, j1); });
+  auto hidden = h + (*layer.o_proj)(attn, is_batch_invariant);
+  auto gate_up = (*layer.gate_up)(rms_norm(hidden, layer.post_attention_norm, layer.eps), is_batch_invariant);
+  return hidden + (*layer.down)(silu_and_mul(gate_up), is_batch_invariant);
+}
+
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
 // logits of the last num_logit_rows rows, the head run inside the region like a projection.
 template <typename Attention>
@@ -725,16 +748,17 @@ torch::Tensor decoder_forward(const std::vector<std::shared_ptr<DecoderLayer>>& 
 // All layers for a flat batch of sequences over a paged KV pool (the serving engine's step):
 // hidden [T, hidden]; cos/sin [T, head_dim] (each token's own position); k/v_blocks [>=
 // num_layers, num_blocks, kv_heads, block_size, head_dim]; slot_mapping [T]; block_tables,
-// query_start_loc, context_lens as paged_attention takes them. Every projection must be
-// weight-only. Returns the final norm's output [T, hidden] (hidden states without one).
+// query_start_loc, context_lens as paged_attention takes them. Weight-only layers run in one
+// parallel region; dense ones layer by layer (is_batch_invariant: their dense kernel as in
+// that mode). Returns the final norm's output [T, hidden] (hidden states without one).
 torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor hidden,
                                     torch::Tensor cos, torch::Tensor sin, torch::Tensor k_blocks,
                                     torch::Tensor v_blocks, torch::Tensor slot_mapping, torch::Tensor block_tables,
                                     torch::Tensor query_start_loc, torch::Tensor context_lens,
                                     c10::optional<torch::Tensor> final_norm, double eps,
-                                    std::shared_ptr<Linear> head, c10::optional<torch::Tensor> logit_rows) {
+                                    std::shared_ptr<Linear> head, c10::optional<torch::Tensor> logit_rows,
+                                    bool is_batch_invariant) {
   TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
-  TORCH_CHECK(is_all_weight_only(layers), "the paged decoder needs every projection weight-only");
   TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
                   k_blocks.size(0) >= static_cast<int64_t>(layers.size()),
               "k/v blocks must be [>= num_layers, num_blocks, kv_heads, block_size, head_dim]");
@@ -748,6 +772,14 @@ torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLay
   attention.block_tables = block_tables.contiguous();
   attention.query_start_loc = query_start_loc.contiguous();
   attention.context_lens = context_lens.contiguous();
+  if (!is_all_weight_only(layers)) {
+    TORCH_CHECK(!head, "the head runs inside the paged decoder only with weight-only layers");
+    auto h = hidden.contiguous();
+    const auto c = cos.contiguous(), s = sin.contiguous();
+    for (size_t i = 0; i < layers.size(); ++i)
+      h = layer_forward_paged(*layers[i], static_cast<int>(i), h, c, s, attention, is_batch_invariant);
+    return final_norm.has_value() ? rms_norm(h, *final_norm, eps) : h;
+  }
   if (!head) {
     return decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
                                   final_norm.value_or(torch::Tensor()), eps, nullptr, 0);
@@ -798,7 +830,8 @@ void bind_decoder(pybind11::module& m) {
         py::arg("cos"), py::arg("sin"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"),
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
         py::arg("final_norm") = py::none(), py::arg("eps") = 0.0, py::arg("head") = std::shared_ptr<Linear>(),
-        py::arg("logit_rows") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("logit_rows") = py::none(), py::arg("is_batch_invariant") = false,
+        py::call_guard<py::gil_scoped_release>());
   py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
       .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
                     const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),
