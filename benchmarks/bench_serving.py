@@ -220,6 +220,9 @@ def main() -> None:
     parser.add_argument("--shared-prefix-tokens", type=int, default=1000)
     parser.add_argument("--shared-requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine-modes", default="thread",
+                        help="where fastdraft's engine steps: thread, process (--engine-process), or both, "
+                             "comma-separated; each mode is its own server, the modes taking turns at each load")
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="path to llama.cpp's llama-server binary (skipped without it)")
     parser.add_argument("--llama-ctx-per-slot", type=int, default=512)
@@ -235,6 +238,9 @@ def main() -> None:
         parser.error("--concurrency and --num-requests take comma-separated integers")
     if len(counts) != len(args.concurrency) or min(args.concurrency + counts) < 1:
         parser.error("--num-requests needs one positive count per concurrency")
+    args.engine_modes = args.engine_modes.split(",")
+    if not args.engine_modes or not set(args.engine_modes) <= {"thread", "process"}:
+        parser.error("--engine-modes takes thread, process or both")
     if args.llama_server is not None and not args.llama_server.is_file():
         parser.error(f"--llama-server: {args.llama_server} does not exist")
 
@@ -246,12 +252,19 @@ def main() -> None:
     results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": []}
     lines = []
     fastdraft_url = f"http://127.0.0.1:{args.port}"
-    server = start_fastdraft(args, args.port, [])
+    # The first mode's server also serves the Poisson and shared-prefix runs; other modes use ports from +3.
+    mode_urls = {mode: f"http://127.0.0.1:{args.port if i == 0 else args.port + 2 + i}"
+                 for i, mode in enumerate(args.engine_modes)}
+    servers = []
     try:
-        asyncio.run(closed_loop(fastdraft_url, args.model, pool[:4], 2, 4, 8))  # warm-up
+        for mode, url in mode_urls.items():
+            servers.append(start_fastdraft(args, int(url.rsplit(":", 1)[1]),
+                                           ["--engine-process"] if mode == "process" else []))
+            asyncio.run(closed_loop(url, args.model, pool[:4], 2, 4, 8))  # warm-up
         for load, (concurrency, num) in enumerate(zip(args.concurrency, counts)):
             prompts = pool[starts[load]:starts[load] + num]
-            systems = [("fastdraft", fastdraft_url, None)]
+            systems = [("fastdraft" if len(mode_urls) == 1 else f"fastdraft, engine {mode}", url, None)
+                       for mode, url in mode_urls.items()]
             if args.llama_server is not None:
                 systems.append(("llama-server", f"http://127.0.0.1:{args.port + 1}", concurrency))
             for name, url, parallel in systems:
@@ -303,7 +316,8 @@ def main() -> None:
             ratio = shared_rows["off"]["ttft_p50_s"] / shared_rows["on"]["ttft_p50_s"]
             results["shared_prefix"]["ttft_p50_ratio"] = ratio
     finally:
-        stop(server)
+        for server in servers:
+            stop(server)
     write_json(args.json, results)
     print(f"\n### {args.model} ({args.quant}): ~{args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, "
           f"greedy, {args.threads} threads\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV-cache pool size (default: a quarter of the available memory)")
     srv.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
     srv.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
+    srv.add_argument("--engine-process", action="store_true",
+                     help="step the engine in a child process instead of a thread (see docs/server.md)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests before exiting (default 30)")
 
@@ -213,12 +216,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, engine_config):
+    """The server's engine: the model loaded (and quantized) as ``fastdraft serve`` was told."""
+    from fastdraft.engine.llm_engine import LLMEngine
+    from fastdraft.engine.loader import load_model
+
+    if quant is not None:
+        loaded = _quantized(model, quant, dtype)
+    else:
+        loaded = load_model(model, dtype=dtype, load_in_low_bit=load_in_low_bit)
+    return LLMEngine(loaded, engine_config)
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     import torch
 
-    from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+    from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.quant.config import parse_quant_spec
     from fastdraft.server.app import ServerConfig, build_app, serve
 
@@ -232,17 +247,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     if args.chat_template:
         template = Path(args.chat_template).read_text(encoding="utf-8")
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                          max_queue=args.max_queue, chat_template=template)
-
-    def load_engine() -> LLMEngine:
-        from fastdraft.engine.loader import load_model
-
-        if quant is not None:
-            loaded = _quantized(args.model, quant, args.dtype)
-        else:
-            loaded = load_model(args.model, dtype=args.dtype, load_in_low_bit=args.load_in_low_bit)
-        return LLMEngine(loaded, engine_config)
-
+                          max_queue=args.max_queue, chat_template=template, engine_process=args.engine_process)
+    # A partial of a module-level function: picklable, for an engine in its own process.
+    load_engine = functools.partial(_serving_engine, args.model, args.dtype, quant, args.load_in_low_bit,
+                                    engine_config)
     serve(build_app(load_engine, config), args.host, args.port, args.graceful_timeout,
           log_level="info" if args.verbose else "warning")
 

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
 from fastdraft.server.async_engine import AsyncEngine, EngineError, QueueFullError, RequestStream
+from fastdraft.server.engine_process import EngineProcess
 from fastdraft.server.metrics import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
                                        error_body)
@@ -49,6 +50,9 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 256
     chat_template: str | None = None  # a Jinja template replacing the model's own
+    # The engine's step loop in a child process (EngineProcess) instead of a thread
+    # (AsyncEngine); load_engine must then be picklable.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -66,8 +70,9 @@ class _State:
 
 
 def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
-    """The app; ``load_engine`` runs on a thread at start-up (``/health`` says 503 until it is
-    done), so the port answers while the model loads."""
+    """The app; ``load_engine`` runs on a thread at start-up, or in the engine's child process
+    with ``config.engine_process`` (``/health`` says 503 until it is done), so the port answers
+    while the model loads."""
     state = _State()
     metrics = ServerMetrics(config.served_model_name)
 
@@ -77,11 +82,13 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
 
         def load() -> None:
             try:
-                engine = load_engine()
-                if config.chat_template is not None:
-                    engine.tokenizer.set_chat_template(config.chat_template)
-                async_engine = AsyncEngine(engine, config.max_queue, metrics.record_step)
+                if config.engine_process:
+                    async_engine = EngineProcess(load_engine, config.max_queue, metrics.record_step)
+                else:
+                    async_engine = AsyncEngine(load_engine(), config.max_queue, metrics.record_step)
                 async_engine.start(loop)
+                if config.chat_template is not None:
+                    async_engine.tokenizer.set_chat_template(config.chat_template)
                 state.engine = async_engine
                 logger.info("ready: serving %s", config.served_model_name)
             except BaseException as e:  # /health reports it; requests get 503
@@ -166,7 +173,7 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
         try:
             body.check_extra()
             check_model(body.model)
-            jobs = _jobs(engine.engine, body, is_chat)
+            jobs = _jobs(engine, body, is_chat)
         except RequestError as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return error(e.status, str(e), kind, e.param, e.code)
@@ -198,11 +205,11 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
     return app
 
 
-def _jobs(engine: LLMEngine, body: CompletionRequest | ChatCompletionRequest,
+def _jobs(engine: AsyncEngine | EngineProcess, body: CompletionRequest | ChatCompletionRequest,
           is_chat: bool) -> list[tuple[list[int], object]]:
     """(prompt token ids, SamplingParams) per choice: ``n`` per prompt. Text is tokenized here,
     once, as the engine would tokenize it."""
-    tokenizer, vocab_size = engine.tokenizer, engine.loaded.config.vocab_size
+    tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     if is_chat:
         try:
             # The template writes the special tokens itself.
@@ -257,7 +264,7 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 class _CompletionRender:
     def __init__(self, engine: AsyncEngine, body: CompletionRequest) -> None:
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.body = body
         self.prompts = [prompt for prompt in body.prompts() for _ in range(body.n)]  # each choice's, as given
         self.offsets = [0] * len(self.prompts)
@@ -302,7 +309,7 @@ class _CompletionRender:
 
 class _ChatRender:
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest) -> None:
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.body = body
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:

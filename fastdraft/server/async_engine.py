@@ -73,6 +73,18 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.loaded.config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def num_waiting(self) -> int:
         return self._num_waiting + len(self._commands)
 

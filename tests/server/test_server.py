@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -353,3 +355,61 @@ def test_real_model_serves_the_openai_client(real_model_dir):
                                         block_size=16)[0]
     finally:
         server.stop()
+
+
+def test_engine_process_serves_streams_aborts_and_drains(tiny_models):
+    # The engine's step loop in a child process: the same outputs as offline generation, a
+    # disconnect frees its blocks, SIGTERM lets a running stream finish and exits 0.
+    model_dir = str(tiny_models.dir("qwen2"))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "fastdraft.cli", "serve", "--model", model_dir, "--port",
+                                str(port), "--dtype", "bf16", "--load-in-low-bit", "sym_int4", "--served-model-name",
+                                MODEL, "--kv-cache-memory", "0.05", "--max-model-len", str(MAX_MODEL_LEN),
+                                "--engine-process"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        prompts = PROMPTS[:8]
+
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+            return "".join(chunk.choices[0].text for chunk in chunks)
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(stream, prompts))
+        offline = LLMEngine(load_model(model_dir, dtype="bf16", load_in_low_bit="sym_int4"),
+                            EngineConfig(num_blocks=256, block_size=16, max_model_len=MAX_MODEL_LEN))
+        expected = run_to_completion(offline, prompts, [SamplingParams(max_new_tokens=12)] * len(prompts))
+        assert texts == [out.text for out in expected]
+
+        body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break  # disconnect mid-stream
+        # The pool's usage is reported after each step: a short request's last step shows it
+        # once the dropped one is gone, and the child still serves after the abort.
+        deadline = time.monotonic() + 20
+        while True:
+            client.completions.create(model=MODEL, prompt="y = 2", max_tokens=3, temperature=0)
+            metrics = httpx.get(f"{url}/metrics").text
+            usage = re.search(r"^fastdraft:kv_cache_usage_perc(?:\{.*\})? (\S+)$", metrics, re.M)
+            if float(usage.group(1)) == 0.0 or time.monotonic() > deadline:
+                break
+        assert float(usage.group(1)) == 0.0
+
+        pieces = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not pieces and line.startswith("data: "):
+                    process.send_signal(signal.SIGTERM)  # mid-stream
+                if line:
+                    pieces.append(line)
+        assert pieces[-1] == "data: [DONE]"
+        assert sum(1 for p in pieces if p.startswith("data: {")) == 200
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
