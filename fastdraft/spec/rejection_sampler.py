@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.layers.sampler import greedy_ids, reference_sample_from_probs
+from fastdraft.layers.sampler import batched_probs, greedy_ids, reference_sample_from_probs
+from fastdraft.sampling_params import SamplingParams
 
 
 @dataclass
@@ -117,3 +118,74 @@ def _num_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, targ
     # accept iff u < target/draft, written without dividing by a zero draft probability
     is_accepted = accept_uniform * draft_p < target_p
     return int(is_accepted.int().cumprod(dim=0).sum())
+
+
+@dataclass
+class BatchVerificationResult:
+    """Outcome of one verification step for every request of a batch, in request order."""
+
+    output_token_ids: list[list[int]]  # per request: accepted draft tokens, then one recovered or bonus token
+    num_accepted: list[int]
+    num_draft: list[int]
+
+
+def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int],
+                           target_logits: torch.Tensor, params: list[SamplingParams],
+                           generators: list[torch.Generator | None],
+                           draft_probs: torch.Tensor | None = None) -> BatchVerificationResult:
+    """Verify the drafts of a whole batch, flat as the engine lays it out (vLLM's shape).
+
+    draft_token_ids: [num_draft_tokens], every request's draft tokens back to back; request
+    ``i`` has ``k_i = cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i]`` of them (``k_i``
+    may be 0). target_logits: [num_draft_tokens + num_reqs, vocab_size], request ``i``'s
+    ``k_i + 1`` rows starting at ``cu_num_draft_tokens[i] + i``. draft_probs:
+    [num_draft_tokens, vocab_size], the distributions the draft tokens were drawn from (rows
+    of greedy requests are not read; None when every request is greedy).
+
+    Greedy requests (``params[i].is_greedy``) accept while the draft equals the target's
+    argmax, all in one argmax over every row. Sampled requests are rejection-sampled with
+    their own parameters and their own generator, drawing exactly what :func:`verify_sampled`
+    draws for the request alone: a request's tokens do not depend on the rest of the batch.
+    """
+    num_reqs = len(params)
+    if len(cu_num_draft_tokens) != num_reqs + 1 or len(generators) != num_reqs:
+        raise ValueError("need one SamplingParams and one generator per request, and num_reqs + 1 offsets")
+    num_draft_tokens = cu_num_draft_tokens[-1]
+    if draft_token_ids.shape[0] != num_draft_tokens or target_logits.shape[0] != num_draft_tokens + num_reqs:
+        raise ValueError(f"{num_reqs} requests with {num_draft_tokens} draft tokens need {num_draft_tokens} draft ids "
+                         f"and {num_draft_tokens + num_reqs} target rows, got {draft_token_ids.shape[0]} and "
+                         f"{target_logits.shape[0]}")
+    is_greedy = [p.is_greedy for p in params]
+    if draft_probs is None and not all(is_greedy[i] or cu_num_draft_tokens[i] == cu_num_draft_tokens[i + 1]
+                                       for i in range(num_reqs)):
+        raise ValueError("sampled requests with draft tokens need draft_probs")
+    target_ids = greedy_ids(target_logits).tolist() if any(is_greedy) else None  # [num_draft_tokens + num_reqs]
+    sampled_rows = [r for i in range(num_reqs) if not is_greedy[i]
+                    for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
+    target_probs = None
+    if sampled_rows:  # [num_sampled_rows, vocab_size], each row with its request's parameters
+        row_params = [params[i] for i in range(num_reqs) if not is_greedy[i]
+                      for _ in range(cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i] + 1)]
+        target_probs = batched_probs(target_logits[sampled_rows], row_params)
+    draft_list = draft_token_ids.tolist()
+    outputs, accepted, drafted = [], [], []
+    sampled_start = 0
+    for i in range(num_reqs):
+        start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
+        k = end - start
+        if is_greedy[i]:
+            rows = target_ids[start + i:end + i + 1]  # [k + 1]
+            n = 0
+            while n < k and draft_list[start + n] == rows[n]:
+                n += 1
+            tokens = draft_list[start:start + n] + [rows[n]]
+        else:
+            probs = target_probs[sampled_start:sampled_start + k + 1]  # [k + 1, vocab_size]
+            sampled_start += k + 1
+            result = verify_sampled(draft_token_ids[start:end], draft_probs[start:end] if k else
+                                    probs.new_zeros(0, probs.shape[1]), probs, generators[i])
+            n, tokens = result.num_accepted, result.output_token_ids
+        outputs.append(tokens)
+        accepted.append(n)
+        drafted.append(k)
+    return BatchVerificationResult(outputs, accepted, drafted)

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.spec.rejection_sampler import reference_verify_sampled, verify_greedy, verify_sampled
+from fastdraft.layers.sampler import logits_to_probs
+from fastdraft.sampling_params import SamplingParams
+from fastdraft.spec.rejection_sampler import (rejection_sample_batch, reference_verify_sampled, verify_greedy,
+                                              verify_sampled)
 
 # verify_sampled runs the C++ rejection_sample on the CPU; its twin runs torch ops. Both must
 # pass every statistical test, and give the same tokens from the same seed.
@@ -124,3 +127,72 @@ def test_rejection_sample_kernel_matches_its_twin(vocab, draft_vocab):
         assert (a.output_token_ids, a.num_accepted) == (b.output_token_ids, b.num_accepted)
         num_rejected += a.num_accepted < k
     assert num_rejected >= 2  # the residual path ran
+
+
+def _batch_case(seed: int, vocab: int = 12):
+    """Four requests, flat: greedy with k = 3 and k = 0, sampled with k = 2 and k = 1 (their
+    own temperatures and top-k), each with its own seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = [3, 0, 2, 1]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.3, top_k=5, seed=2)]
+    cu = [0]
+    for k in ks:
+        cu.append(cu[-1] + k)
+    target_logits = torch.randn(cu[-1] + len(ks), vocab, generator=gen) * 2  # [num_draft_tokens + num_reqs, vocab]
+    draft_probs = torch.softmax(torch.randn(cu[-1], vocab, generator=gen) * 2, dim=-1)  # [num_draft_tokens, vocab]
+    draft_ids = torch.stack([torch.multinomial(row, 1, generator=gen)[0] for row in draft_probs])
+    draft_ids[:2] = target_logits[:2].argmax(-1)  # the first greedy request accepts two, then is rejected
+    return ks, cu, params, target_logits, draft_probs, draft_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_rejection_sampler_gives_each_request_what_it_gets_alone(seed):
+    ks, cu, params, target_logits, draft_probs, draft_ids = _batch_case(seed)
+    generators = [None if p.is_greedy else torch.Generator().manual_seed(p.seed) for p in params]
+    result = rejection_sample_batch(draft_ids, cu, target_logits, params, generators, draft_probs)
+    assert result.num_draft == ks
+    for i, (k, p) in enumerate(zip(ks, params)):
+        rows = target_logits[cu[i] + i:cu[i + 1] + i + 1]  # [k + 1, vocab]
+        if p.is_greedy:
+            alone = verify_greedy(draft_ids[cu[i]:cu[i + 1]], rows)
+        else:
+            alone = verify_sampled(draft_ids[cu[i]:cu[i + 1]], draft_probs[cu[i]:cu[i + 1]],
+                                   logits_to_probs(rows, p), torch.Generator().manual_seed(p.seed))
+        assert result.output_token_ids[i] == alone.output_token_ids
+        assert result.num_accepted[i] == alone.num_accepted
+    assert result.num_accepted[0] == 2 and result.num_accepted[1] == 0
+
+
+def test_batched_rejection_sampler_follows_each_requests_target_distribution():
+    # Three sampled requests in one batch, each with its own target and a deliberately different
+    # draft, k = 1, 2 and 3: every token each emits is a draw from its own target.
+    vocab, ks = 8, [1, 2, 3]
+    gen = torch.Generator().manual_seed(0)
+    targets = [torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=0) for _ in ks]
+    drafts = [torch.softmax(torch.randn(k, vocab, generator=gen) * 2, dim=-1) for k in ks]
+    cu = [0, 1, 3, 6]
+    # Temperature 1 over log-probabilities gives back the target itself.
+    target_logits = torch.cat([t.log().expand(k + 1, vocab) for t, k in zip(targets, ks)])
+    draft_probs = torch.cat(drafts)  # [6, vocab]
+    params = [SamplingParams(temperature=1.0)] * len(ks)
+    generators = [torch.Generator().manual_seed(10 + i) for i in range(len(ks))]
+    counts = torch.zeros(len(ks), vocab)
+    for _ in range(4000):
+        draft_ids = torch.stack([torch.multinomial(row, 1, generator=gen)[0] for row in draft_probs])
+        result = rejection_sample_batch(draft_ids, cu, target_logits, params, generators, draft_probs)
+        for i, tokens in enumerate(result.output_token_ids):
+            for token in tokens:
+                counts[i, token] += 1
+    for i, target in enumerate(targets):
+        empirical = counts[i] / counts[i].sum()
+        assert 0.5 * (empirical - target).abs().sum().item() < 0.03  # total variation
+        assert 0.5 * (drafts[i][0] - target).abs().sum().item() > 0.1  # the draft alone would fail
+
+
+def test_batched_rejection_sampler_rejects_inconsistent_shapes():
+    with pytest.raises(ValueError, match="target rows"):
+        rejection_sample_batch(torch.tensor([1, 2]), [0, 2], torch.zeros(2, 5), [SamplingParams()], [None])
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample_batch(torch.tensor([1]), [0, 1], torch.zeros(2, 5), [SamplingParams(temperature=1.0)],
+                               [None])
