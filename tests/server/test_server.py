@@ -286,6 +286,20 @@ def test_a_full_queue_gets_429_with_retry_after(loaded):
         server.stop()
 
 
+def _assert_sigterm_drains(process: subprocess.Popen, url: str, body: dict) -> None:
+    """SIGTERM sent mid-stream: the stream still ends whole (``max_tokens`` 200), then exit 0."""
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not pieces and line.startswith("data: "):
+                process.send_signal(signal.SIGTERM)  # mid-stream
+            if line:
+                pieces.append(line)
+    assert pieces[-1] == "data: [DONE]"
+    assert sum(1 for p in pieces if p.startswith("data: {")) == 200
+    assert process.wait(60) == 0
+
+
 def test_sigterm_lets_running_requests_finish_then_exits_0(tiny_models):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fastdraft.cli", "serve", "--model",
@@ -297,16 +311,7 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(tiny_models):
         wait_healthy(url, 120)
         body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        pieces = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if not pieces and line.startswith("data: "):
-                    process.send_signal(signal.SIGTERM)  # mid-stream
-                if line:
-                    pieces.append(line)
-        assert pieces[-1] == "data: [DONE]"
-        assert sum(1 for p in pieces if p.startswith("data: {")) == 200
-        assert process.wait(60) == 0
+        _assert_sigterm_drains(process, url, body)
     finally:
         if process.poll() is None:
             process.kill()
@@ -400,16 +405,7 @@ def test_engine_process_serves_streams_aborts_and_drains(tiny_models):
                 break
         assert float(usage.group(1)) == 0.0
 
-        pieces = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if not pieces and line.startswith("data: "):
-                    process.send_signal(signal.SIGTERM)  # mid-stream
-                if line:
-                    pieces.append(line)
-        assert pieces[-1] == "data: [DONE]"
-        assert sum(1 for p in pieces if p.startswith("data: {")) == 200
-        assert process.wait(60) == 0
+        _assert_sigterm_drains(process, url, body)
     finally:
         if process.poll() is None:
             process.kill()
