@@ -106,8 +106,10 @@ class FusedDecoder:
     @classmethod
     def build(cls, layers: nn.ModuleList, dtype: torch.dtype, device: torch.device,
               min_rows: int) -> "FusedDecoder | None":
+        """The decoder of ``layers`` for activations of ``dtype``, or None where the C++ side
+        cannot run them (no CPU kernels, a dtype other than fp32 and bf16, a layer it does not take)."""
         ext = load_x86_extension()
-        if ext is None:
+        if ext is None or dtype not in (torch.float32, torch.bfloat16):
             return None
         ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in layers]
         return None if any(op is None for op in ops) else cls(ext, ops, dtype, device, min_rows)

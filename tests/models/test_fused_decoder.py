@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.layers.kv_cache import KVCache, PagedKVCache
@@ -12,6 +13,7 @@ from fastdraft.kernels.mode import batch_invariant
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
+from fastdraft.sampling_params import SamplingParams
 from tests.helpers import paged_batch
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
@@ -352,3 +354,11 @@ def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, va
             assert got is not None and got.dtype == torch.float32
             want = model.compute_logits(model(ids, caches[1], meta)[0, rows])
             assert torch.equal(got, want)
+
+
+def test_no_fused_decoder_for_fp16_and_the_engine_runs_the_module_path(tiny_models):
+    # The C++ kernels take fp32 and bf16 activations only; an fp16 model runs the module path.
+    loaded = load_model(tiny_models.dir("llama"), dtype="fp16")
+    assert loaded.model.fused_decoder() is None
+    out = TextGenerator(loaded, 64).generate("the cat", SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
