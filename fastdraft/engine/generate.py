@@ -144,7 +144,6 @@ class TextGenerator:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
                  speculative: Speculation | None = None, draft: LoadedModel | None = None,
                  engine_config: EngineConfig | None = None) -> None:
-        tune_malloc()  # decode steps reuse their large buffers instead of page-faulting them in
         self.model = loaded.model
         if self.model.device.type == "cpu":
             # Build (first use, about a minute) or load the CPU kernels now, so that a one-time
@@ -163,6 +162,7 @@ class TextGenerator:
             self.engine = LLMEngine(loaded, config)
             self.max_seq_len = self.engine.max_model_len
         else:
+            tune_malloc()  # decode steps reuse their large buffers (the engine does this for itself)
             # Verification appends up to k + 1 tokens past the committed length.
             extra = speculative.num_speculative_tokens + 1
             self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
@@ -204,10 +204,8 @@ class TextGenerator:
         stream.prompt_ids = prompt_ids
         stream.metrics.num_prompt_tokens = len(prompt_ids)
         if self.engine is not None:
-            if not prompt_ids:
-                raise ValueError("the prompt is empty")
-            self.engine.abort_all()  # one request at a time: an abandoned stream gives way
-            request_id = self.engine.add_request(prompt_ids, params)
+            request_id = self.engine.add_request(prompt_ids, params)  # checked first: a refused one aborts nothing
+            self.engine.abort_all(except_request_id=request_id)  # one at a time: an abandoned stream gives way
             stream._pieces = self._engine_pieces(request_id, stream)
             return stream
         check_request(len(prompt_ids), params, self.max_seq_len)

@@ -252,10 +252,11 @@ class LLMEngine:
                        logprobs=None if out.logprobs is None else list(out.logprobs),
                        metrics=replace(metrics, token_latencies_s=list(metrics.token_latencies_s)))
 
-    def abort_all(self) -> None:
-        """Abort every unfinished request."""
+    def abort_all(self, except_request_id: str | None = None) -> None:
+        """Abort every unfinished request (but ``except_request_id``)."""
         for request_id in list(self._requests):
-            self.abort_request(request_id)
+            if request_id != except_request_id:
+                self.abort_request(request_id)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Add one request and yield its outputs as they come (``outputs``). The request is

@@ -161,6 +161,9 @@ def test_an_abandoned_stream_gives_way_to_the_next_request(generator):
     expected = generator.generate(PROMPT, params).token_ids
     stream = generator.stream("the cat", params)
     next(iter(stream))  # started, then left unfinished
+    with pytest.raises(ValueError, match="exceeds"):  # a refused request starts nothing, aborts nothing
+        generator.stream(PROMPT, SamplingParams(max_new_tokens=200))
+    assert generator.engine.has_unfinished_requests
     assert generator.generate(PROMPT, params).token_ids == expected
     assert not generator.engine.has_unfinished_requests
     assert generator.engine.block_manager.usage == 0
