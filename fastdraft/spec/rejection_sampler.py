@@ -40,12 +40,18 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
     draft_token_ids: [k]; target_logits: [k + 1, vocab_size] (row i scores the token after
     the i-th input of the verification pass).
     """
-    num_draft = draft_token_ids.shape[0]
-    target_ids = greedy_ids(target_logits)  # [k + 1]
-    matches = (draft_token_ids == target_ids[:num_draft]).int()
-    num_accepted = int(matches.cumprod(dim=0).sum()) if num_draft else 0
-    output = draft_token_ids[:num_accepted].tolist() + [int(target_ids[num_accepted])]
-    return VerificationResult(output, num_accepted, num_draft)
+    draft_ids = draft_token_ids.tolist()
+    output = _accept_greedy(draft_ids, greedy_ids(target_logits).tolist())
+    return VerificationResult(output, len(output) - 1, len(draft_ids))
+
+
+def _accept_greedy(draft_ids: list[int], target_ids: list[int]) -> list[int]:
+    """The draft tokens while they equal the target's argmax ids (``len(draft_ids) + 1`` of
+    them), then the target's own next token."""
+    num_accepted = 0
+    while num_accepted < len(draft_ids) and draft_ids[num_accepted] == target_ids[num_accepted]:
+        num_accepted += 1
+    return draft_ids[:num_accepted] + [target_ids[num_accepted]]
 
 
 def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -143,7 +149,7 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
     of greedy requests are not read; None when every request is greedy).
 
     Greedy requests (``params[i].is_greedy``) accept while the draft equals the target's
-    argmax, all in one argmax over every row. Sampled requests are rejection-sampled with
+    argmax, all in one argmax over their rows. Sampled requests are rejection-sampled with
     their own parameters and their own generator, drawing exactly what :func:`verify_sampled`
     draws for the request alone: a request's tokens do not depend on the rest of the batch.
     """
@@ -159,9 +165,13 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
     if draft_probs is None and not all(is_greedy[i] or cu_num_draft_tokens[i] == cu_num_draft_tokens[i + 1]
                                        for i in range(num_reqs)):
         raise ValueError("sampled requests with draft tokens need draft_probs")
-    target_ids = greedy_ids(target_logits).tolist() if any(is_greedy) else None  # [num_draft_tokens + num_reqs]
-    sampled_rows = [r for i in range(num_reqs) if not is_greedy[i]
-                    for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
+
+    def rows_of(is_greedy_wanted: bool) -> list[int]:  # the target rows of those requests, in order
+        return [r for i in range(num_reqs) if is_greedy[i] == is_greedy_wanted
+                for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
+
+    greedy_rows, sampled_rows = rows_of(True), rows_of(False)
+    target_ids = greedy_ids(target_logits[greedy_rows]).tolist() if greedy_rows else []  # [num_greedy_rows]
     target_probs = None
     if sampled_rows:  # [num_sampled_rows, vocab_size], each row with its request's parameters
         row_params = [params[i] for i in range(num_reqs) if not is_greedy[i]
@@ -169,16 +179,14 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
         target_probs = batched_probs(target_logits[sampled_rows], row_params)
     draft_list = draft_token_ids.tolist()
     outputs, accepted, drafted = [], [], []
-    sampled_start = 0
+    greedy_start = sampled_start = 0
     for i in range(num_reqs):
         start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
         k = end - start
         if is_greedy[i]:
-            rows = target_ids[start + i:end + i + 1]  # [k + 1]
-            n = 0
-            while n < k and draft_list[start + n] == rows[n]:
-                n += 1
-            tokens = draft_list[start:start + n] + [rows[n]]
+            tokens = _accept_greedy(draft_list[start:end], target_ids[greedy_start:greedy_start + k + 1])
+            greedy_start += k + 1
+            n = len(tokens) - 1
         else:
             probs = target_probs[sampled_start:sampled_start + k + 1]  # [k + 1, vocab_size]
             sampled_start += k + 1
