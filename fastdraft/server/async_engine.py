@@ -43,6 +43,47 @@ class StepStats:
     num_preemptions: int
 
 
+def add_all_or_none(engine: LLMEngine, requests: list[tuple[str | list[int], SamplingParams, str]]) -> None:
+    """Add requests (prompt, params, request id) together: a refused one aborts those added
+    before it and raises the engine's error."""
+    added = []
+    try:
+        for prompt, params, request_id in requests:
+            engine.add_request(prompt, params, request_id)
+            added.append(request_id)
+    except Exception:
+        for request_id in added:
+            engine.abort_request(request_id)
+        raise
+
+
+@dataclass
+class StepResult:
+    """One step of a server's engine loop: its outputs and counters, or, when the step raised,
+    the requests it was running (aborted, so the engine keeps serving) and why."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats | None
+    failed_request_ids: list[str]
+    error: str = ""
+
+
+def run_step(engine: LLMEngine) -> StepResult:
+    """Run one engine step for a server loop (see :class:`StepResult`)."""
+    try:
+        outputs = engine.step()
+    except Exception as e:  # the requests of this step fail; the server keeps serving
+        logger.exception("engine step failed")
+        failed = [seq.request_id for seq in engine.scheduler.running]  # their cache may be half written
+        for request_id in failed:
+            engine.abort_request(request_id)
+        return StepResult([], None, failed, f"the engine failed: {e}")
+    scheduler, blocks = engine.scheduler, engine.block_manager
+    stats = StepStats(len(scheduler.running), len(scheduler.waiting), blocks.usage, blocks.num_prefix_queries,
+                      blocks.num_prefix_hits, scheduler.num_preemptions)
+    return StepResult(outputs, stats, [])
+
+
 class AsyncEngine:
     """Owns an :class:`LLMEngine` and the thread that steps it.
 
@@ -101,14 +142,9 @@ class AsyncEngine:
             self._streams[stream.request_id] = stream.queue
 
         def add() -> None:
-            done = []
             try:
-                for prompt, params, request_id in requests:
-                    self.engine.add_request(prompt, params, request_id)
-                    done.append(request_id)
+                add_all_or_none(self.engine, requests)
             except Exception as e:  # refused: the caller gets the engine's own message
-                for request_id in done:
-                    self.engine.abort_request(request_id)
                 loop.call_soon_threadsafe(_settle, added, e)
             else:
                 loop.call_soon_threadsafe(_settle, added, None)
@@ -147,22 +183,16 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # the requests of this step fail; the server keeps serving
-                logger.exception("engine step failed")
-                for seq in list(engine.scheduler.running):  # the scheduled ones: their cache may be half written
-                    engine.abort_request(seq.request_id)
-                    loop.call_soon_threadsafe(self._deliver, seq.request_id, EngineError(f"the engine failed: {e}"))
+            result = run_step(engine)
+            for request_id in result.failed_request_ids:
+                loop.call_soon_threadsafe(self._deliver, request_id, EngineError(result.error))
+            if result.stats is None:
                 continue
-            scheduler, blocks = engine.scheduler, engine.block_manager
-            self._num_waiting = len(scheduler.waiting)
-            for out in outputs:
+            self._num_waiting = result.stats.num_waiting
+            for out in result.outputs:
                 loop.call_soon_threadsafe(self._deliver, out.request_id, out)
             if self.on_step is not None:
-                stats = StepStats(len(scheduler.running), len(scheduler.waiting), blocks.usage,
-                                  blocks.num_prefix_queries, blocks.num_prefix_hits, scheduler.num_preemptions)
-                loop.call_soon_threadsafe(self.on_step, stats)
+                loop.call_soon_threadsafe(self.on_step, result.stats)
         for request_id in list(self._streams):  # stopped: nothing more will come
             engine.abort_request(request_id)
             loop.call_soon_threadsafe(self._deliver, request_id, EngineError("the server is shutting down"))

@@ -10,7 +10,6 @@ compares the two.
 from __future__ import annotations
 
 import asyncio
-import logging
 import multiprocessing
 import threading
 from collections.abc import Callable
@@ -21,10 +20,9 @@ import torch
 
 from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.server.async_engine import EngineError, QueueFullError, RequestStream, StepStats, _settle
+from fastdraft.server.async_engine import (EngineError, QueueFullError, RequestStream, StepStats, _settle,
+                                           add_all_or_none, run_step)
 from fastdraft.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,32 +58,19 @@ def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, command
                     engine.abort_request(args[0])
                 elif kind == "add":
                     token, requests = args
-                    added = []
                     try:
-                        for prompt, params, request_id in requests:
-                            engine.add_request(prompt, params, request_id)
-                            added.append(request_id)
+                        add_all_or_none(engine, requests)
                     except Exception as e:  # refused: none of them stays queued
-                        for request_id in added:
-                            engine.abort_request(request_id)
                         events.send(("added", token, e))
                     else:
                         events.send(("added", token, None))
             if not engine.has_unfinished_requests:
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # the requests of this step fail; the engine keeps serving
-                logger.exception("engine step failed")
-                failed = [seq.request_id for seq in engine.scheduler.running]
-                for request_id in failed:
-                    engine.abort_request(request_id)
-                events.send(("failed", failed, f"the engine failed: {e}"))
-                continue
-            scheduler, blocks = engine.scheduler, engine.block_manager
-            stats = StepStats(len(scheduler.running), len(scheduler.waiting), blocks.usage,
-                              blocks.num_prefix_queries, blocks.num_prefix_hits, scheduler.num_preemptions)
-            events.send(("step", outputs, stats))
+            result = run_step(engine)
+            if result.stats is None:
+                events.send(("failed", result.failed_request_ids, result.error))
+            else:
+                events.send(("step", result.outputs, result.stats))
 
 
 class EngineProcess:
