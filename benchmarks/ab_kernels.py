@@ -7,10 +7,9 @@ turns for ``--rounds`` rounds, each timing the median of ``--steps`` forward pas
 ``--tokens`` tokens. The figure is the median over rounds of the per-round speed ratio, which
 cancels the drift of memory bandwidth that shared cloud VMs show.
 
-Every model must run the build it was loaded with. The fused decoder is built at a model's
-first decode step, so each model makes that step while the loader still points at its own
-build, and the script checks which build each decoder holds: without that check a mix-up
-would silently time one build against itself.
+Every model must run the build it was loaded with. Each model's fused decoder is built while
+the loader still points at its own build, and the script checks which build each decoder
+holds: without that check a mix-up would silently time one build against itself.
 
     python benchmarks/ab_kernels.py /tmp/a fastdraft/kernels/csrc --tokens 1,5
 """
@@ -47,7 +46,7 @@ def build_from(folder: Path) -> ModuleType:
 
 
 def load_with(ext: ModuleType, args: argparse.Namespace):
-    """The model quantized and its first decode step run with ``ext``; -> (model, cache)."""
+    """The model quantized, with a fused decoder on ``ext``; -> (model, cache, decoder)."""
     for module in _LOADER_USERS:
         module.load_x86_extension = lambda ext=ext: ext
     # load_in_low_bit's quantization, with the group size asked for (load_in_low_bit's is 32).
@@ -57,11 +56,10 @@ def load_with(ext: ModuleType, args: argparse.Namespace):
     model = loaded.model
     cache = KVCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
     model(torch.randint(0, 10000, (1, args.context)), cache, cache.append(args.context))
-    model(torch.zeros(1, 1, dtype=torch.long), cache, cache.append(1))  # builds the fused decoder
-    entry = model.model.__dict__.get(fused_decoder._CACHE_ATTR)
-    if entry is None or entry[1] is None or entry[1].ext is not ext:
+    decoder = model.fused_decoder()
+    if decoder is None or decoder.ext is not ext:
         raise SystemExit("the model's fused decoder does not hold the build it was loaded with")
-    return model, cache
+    return model, cache, decoder
 
 
 def main() -> None:
@@ -86,12 +84,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for n in args.tokens:
             step = torch.zeros(1, n, dtype=torch.long)
-            for i, (model, cache) in enumerate(systems):
+            for i, (model, cache, decoder) in enumerate(systems):
                 samples = []
                 for _ in range(args.steps):
                     cache.truncate(args.context)
                     start = time.perf_counter()
-                    model(step, cache, cache.append(n))
+                    model.decode_logits(step, cache, cache.append(n), decoder=decoder)
                     samples.append(time.perf_counter() - start)
                 times[(i, n)].append(statistics.median(samples))
     print(f"{args.model} ({args.low_bit}, groups of {args.group_size}), {args.context} cached tokens, {args.rounds} interleaved rounds")

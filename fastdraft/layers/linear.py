@@ -2,8 +2,9 @@
 
 At batch 1 a decode step is bound by reading weights, and every extra kernel call adds fixed
 overhead: one call over the concatenated weight reads the same bytes in fewer, longer streams.
-The fused weight is derived state, built on first use; parameter names stay HF's. Dense
-linears are re-pointed at row slices of the fused weight, so no memory is duplicated.
+The fused matmul is derived state that its builder's caller owns (the C++ decoder); the
+modules keep HF's parameter names and run their projections one by one. Dense linears are
+re-pointed at row slices of the fused weight, so no memory is duplicated.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from fastdraft.formats import QuantizedWeight
 from fastdraft.kernels import kernel_class
 from fastdraft.kernels.fused import dense_linear
 from fastdraft.layers.quant_linear import QuantLinear
-
-_CACHE_ATTR = "_fused_linears"
 
 
 def _concat_bias(linears: list[nn.Module]) -> torch.Tensor | None:
@@ -91,30 +90,11 @@ def has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
-def fused_linear(owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype,
-                 device: torch.device) -> FusedLinear | None:
-    """The fused matmul of ``owner``'s linears ``names`` for activations of ``dtype`` on
-    ``device``, built on first use; ``None`` when they cannot be fused (mixed formats)."""
-    linears = [getattr(owner, name) for name in names]
-    key = (tuple(id(lin) for lin in linears), dtype, device)
-    cache = owner.__dict__.setdefault(_CACHE_ATTR, {})
-    entry = cache.get(names)
-    if entry is None or entry[0] != key:
-        if all(is_dense_linear(lin) for lin in linears):
-            fused = _build_dense(linears)
-        elif all(isinstance(lin, QuantLinear) for lin in linears):
-            fused = _build_quant(linears, dtype, device)
-        else:
-            fused = None
-        entry = cache[names] = (key, fused)
-    return entry[1]
-
-
-def fused_linears(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
-    """``cat([owner.<name>(x) for name in names], -1)`` as one matmul, or ``None`` when the
-    linears cannot be fused (mixed formats, hooks); the caller then runs them one by one."""
-    linears = [getattr(owner, name) for name in names]
-    if any(has_hooks(lin) for lin in linears):
-        return None
-    fused = fused_linear(owner, names, x.dtype, x.device)
-    return None if fused is None else fused(x)
+def fused_linear(linears: list[nn.Module], dtype: torch.dtype, device: torch.device) -> FusedLinear | None:
+    """The fused matmul of ``linears`` (sharing one input) for activations of ``dtype`` on
+    ``device``, or ``None`` when they cannot be fused (mixed formats). The caller owns it."""
+    if all(is_dense_linear(lin) for lin in linears):
+        return _build_dense(linears)
+    if all(isinstance(lin, QuantLinear) for lin in linears):
+        return _build_quant(linears, dtype, device)
+    return None

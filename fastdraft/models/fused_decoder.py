@@ -57,7 +57,7 @@ def _projections_op(ext, owner: nn.Module, names: tuple[str, ...], dtype: torch.
     """One C++ op for projections sharing an input (q/k/v, gate/up): their fused matmul, or,
     when their formats differ (e.g. an INT8 v_proj beside INT4 q/k), each run in turn and
     concatenated, as the module path does."""
-    fused = fused_linear(owner, names, dtype, device)
+    fused = fused_linear([getattr(owner, name) for name in names], dtype, device)
     if fused is not None:
         return _linear_op(ext, fused, dtype, device, min_rows)
     parts = [_linear_op(ext, getattr(owner, name), dtype, device, min_rows) for name in names]

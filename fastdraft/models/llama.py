@@ -17,7 +17,7 @@ from fastdraft.config import ModelConfig
 from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import cached_attention
 from fastdraft.layers.kv_cache import AttentionMetadata, KVCache, PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.linear import Linear, fused_linears, has_hooks
+from fastdraft.layers.linear import Linear, has_hooks
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.quant_linear import EXACT_MIN_ROWS, QuantLinear
 from fastdraft.layers.rotary import RotaryEmbedding
@@ -44,12 +44,7 @@ class LlamaAttention(nn.Module):
         # LlamaModel.min_rows): projections see them, attention and the cache do not.
         batch, num_rows, _ = hidden_states.shape
         num_tokens = meta.num_tokens
-        qkv = fused_linears(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
-        if qkv is not None:  # [batch, num_rows, (num_heads + 2 * num_kv_heads) * head_dim]
-            kv_size = self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         # [batch, num_tokens, heads, head_dim]
         q = q[:, :num_tokens].view(batch, num_tokens, self.num_heads, self.head_dim)
         k = k[:, :num_tokens].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,9 +69,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = fused_linears(self, ("gate_proj", "up_proj"), x)  # [..., 2 * intermediate_size]
-        if gate_up is None:  # formats differ: one by one, then the same activation kernel
-            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [..., 2 * intermediate_size]
         return self.down_proj(silu_and_mul(gate_up))
 
 
