@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-adaptive", action="store_true", help="always draft --num-speculative-tokens tokens")
     gen.add_argument("--draft-min-confidence", type=float, default=None,
                      help="a draft token counts as confident when the draft's top probability reaches this; "
-                          "the adaptive draft length may stop drafting after an unconfident one "
-                          "(default: SpeculativeConfig's, 0.8; 0: off)")
+                          "a sequence stops a step's drafting after an unconfident one "
+                          "(default: SpeculativeConfig's, 0.5; 0: off)")
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
                      help="quantize on the fly at load time (RTN)")
     gen.add_argument("--keep-gguf-quant", action="store_true",
@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV-cache pool size (default: a quarter of the available memory)")
     srv.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
     srv.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
+    srv.add_argument("--speculative", metavar="self|ngram|MODEL", default=None,
+                     help="speculative decoding inside the engine's batches: the target's own INT4 copy, prompt "
+                          "lookup, or a draft model of the same tokenizer")
+    srv.add_argument("--num-speculative-tokens", type=_positive_int, default=4,
+                     help="the most tokens a request drafts in a step (default 4)")
     srv.add_argument("--engine-process", action="store_true",
                      help="step the engine in a child process instead of a thread (see docs/server.md)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -216,8 +221,9 @@ def _port(text: str) -> int:
     return value
 
 
-def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, engine_config):
-    """The server's engine: the model loaded (and quantized) as ``fastdraft serve`` was told."""
+def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, engine_config, speculation=None):
+    """The server's engine: the model loaded (and quantized), and speculating, as ``fastdraft
+    serve`` was told."""
     from fastdraft.engine.llm_engine import LLMEngine
     from fastdraft.engine.loader import load_model
 
@@ -225,7 +231,7 @@ def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, 
         loaded = _quantized(model, quant, dtype)
     else:
         loaded = load_model(model, dtype=dtype, load_in_low_bit=load_in_low_bit)
-    return LLMEngine(loaded, engine_config)
+    return LLMEngine(loaded, engine_config, speculation=speculation)
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -249,8 +255,13 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_queue=args.max_queue, chat_template=template, engine_process=args.engine_process)
     # A partial of a module-level function: picklable, for an engine in its own process.
+    speculation = None
+    if args.speculative:
+        from fastdraft.spec.config import SpeculativeConfig
+
+        speculation = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     load_engine = functools.partial(_serving_engine, args.model, args.dtype, quant, args.load_in_low_bit,
-                                    engine_config)
+                                    engine_config, speculation)
     serve(build_app(load_engine, config), args.host, args.port, args.graceful_timeout,
           log_level="info" if args.verbose else "warning")
 

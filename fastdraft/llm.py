@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
@@ -42,9 +41,10 @@ class RequestOutput:
 class LLM:
     """vLLM-style offline inference.
 
-    Plain requests run through the serving engine (``engine/llm_engine.py``): ``generate``
-    queues every prompt and steps until all are done, batching them over the paged KV cache.
-    With ``speculative_model`` the prompts run one at a time through the speculative loop."""
+    Requests run through the serving engine (``engine/llm_engine.py``): ``generate`` queues
+    every prompt and steps until all are done, batching them over the paged KV cache. With
+    ``speculative_model`` (a model of the same tokenizer, ``"self"`` or ``"ngram"``) decoding
+    requests draft and verify tokens inside those batched steps."""
 
     def __init__(self, model: str, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
@@ -53,17 +53,14 @@ class LLM:
                  enable_prefix_caching: bool = True, batch_invariant: bool = True) -> None:
         loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         self.tokenizer = loaded.tokenizer
-        self.generator: TextGenerator | None = None
-        self.engine: LLMEngine | None = None
+        spec = None
         if speculative_model is not None:
             spec = SpeculativeConfig(draft=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                      draft_device=draft_device)
-            self.generator = TextGenerator(loaded, max_seq_len=max_model_len, speculative=spec)
-        else:
-            self.engine = LLMEngine(loaded, EngineConfig(
-                block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant))
+        self.engine = LLMEngine(loaded, EngineConfig(
+            block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant), speculation=spec)
 
     def generate(self, prompts: str | list[str], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -76,8 +73,6 @@ class LLM:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        if self.engine is None:
-            return [self._run_speculative(prompt, p, chat=False) for prompt, p in zip(prompts, per_prompt)]
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
             outputs = run_to_completion(self.engine, list(prompts), per_prompt, progress)
         return [self._result(prompt, out) for prompt, out in zip(prompts, outputs)]
@@ -86,8 +81,6 @@ class LLM:
         params = sampling_params or SamplingParams()
         if not isinstance(messages, list) or not messages:
             raise ValueError("the prompt is empty (no chat messages)")
-        if self.engine is None:
-            return self._run_speculative(messages, params, chat=True)
         ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
         out = run_to_completion(self.engine, [ids], [params])[0]
         return self._result(None, out)
@@ -96,12 +89,6 @@ class LLM:
     def _result(prompt: str | None, out) -> RequestOutput:
         completion = CompletionOutput(0, out.text, out.token_ids, out.finish_reason)
         return RequestOutput(prompt, out.prompt_token_ids, [completion], out.metrics)
-
-    def _run_speculative(self, prompt, params: SamplingParams, chat: bool) -> RequestOutput:
-        stream = self.generator.stream(prompt, params, chat=chat).consume()
-        completion = CompletionOutput(0, stream.text, stream.token_ids, stream.metrics.finish_reason)
-        return RequestOutput(prompt if isinstance(prompt, str) else None, stream.prompt_ids, [completion],
-                             stream.metrics)
 
 
 class CausalLM:
@@ -114,27 +101,25 @@ class CausalLM:
         self.tokenizer = loaded.tokenizer
         self._max_seq_len = max_seq_len
         self._speculative = speculative
-        self._generators: dict[int, TextGenerator] = {}  # speculative ones, by draft
-        self._engine: LLMEngine | None = None  # plain requests, every row of a batch at once
+        self._engines: dict[int, LLMEngine] = {}  # by draft (0: none); every row of a batch at once
         self._default_assistant = assistant
 
     @property
     def model(self):
         return self.loaded.model
 
-    def _generator(self, assistant: "CausalLM | None") -> TextGenerator | None:
-        """The speculative generator for ``assistant`` (or the default draft), None for plain decoding."""
+    def _engine(self, assistant: "CausalLM | None") -> LLMEngine:
+        """The engine for ``assistant`` as draft (or the default draft, or none)."""
         draft = assistant.loaded if assistant is not None else self._default_assistant
-        if draft is None and self._speculative is None:
-            return None
-        key = id(draft)
-        if key not in self._generators:
+        key = 0 if draft is None and self._speculative is None else id(draft)
+        if key not in self._engines:
             spec = self._speculative
             if draft is not None:
                 spec = SpeculativeConfig(draft="assistant", num_speculative_tokens=(
                     spec.num_speculative_tokens if spec else 4))
-            self._generators[key] = TextGenerator(self.loaded, self._max_seq_len, speculative=spec, draft=draft)
-        return self._generators[key]
+            self._engines[key] = LLMEngine(self.loaded, EngineConfig(max_model_len=self._max_seq_len),
+                                           speculation=spec, draft=draft)
+        return self._engines[key]
 
     def generate(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -150,14 +135,9 @@ class CausalLM:
             raise ValueError("input_ids must be [batch, seq_len] with seq_len > 0")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0,
                                 top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
-        generator = self._generator(assistant_model)
         prompts = [row.tolist() for row in ids]
-        if generator is None:
-            if self._engine is None:
-                self._engine = LLMEngine(self.loaded, EngineConfig(max_model_len=self._max_seq_len))
-            new_ids = [out.token_ids for out in run_to_completion(self._engine, prompts, [params] * len(prompts))]
-        else:
-            new_ids = [generator.stream(prompt, params).consume().token_ids for prompt in prompts]
+        engine = self._engine(assistant_model)
+        new_ids = [out.token_ids for out in run_to_completion(engine, prompts, [params] * len(prompts))]
         rows = [prompt + new for prompt, new in zip(prompts, new_ids)]
         pad = (self.config.eos_token_ids or [0])[0]
         width = max(len(r) for r in rows)

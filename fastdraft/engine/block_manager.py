@@ -137,6 +137,17 @@ class BlockManager:
         seq.block_table.extend(self._take_free_block().block_id for _ in range(max(needed, 0)))
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks past those its computed tokens and its next token need
+        (after rejected draft tokens)."""
+        num_kept = self.num_blocks_for(seq.num_computed_tokens + 1)
+        for block_id in reversed(seq.block_table[num_kept:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        del seq.block_table[num_kept:]
+
     def commit(self, seq: Sequence) -> None:
         """Key ``seq``'s full, computed blocks for prefix caching (after a forward pass)."""
         if not self.enable_prefix_caching:

@@ -1,101 +1,22 @@
-"""One request at a time: a streaming text generator, and single-sequence token functions.
+"""One request at a time: a streaming text generator over the serving engine.
 
 :class:`TextGenerator` is what the CLI and the HF-style API run: prompt in (text, chat
-messages or token ids), text pieces out, with the user-visible metrics (TTFT, TPOT, tokens/s).
-Plain requests run through the serving engine (:class:`~fastdraft.engine.llm_engine.LLMEngine`),
-like every other plain request. Speculative requests run the single-sequence loop of
-``spec/decoding.py`` over a contiguous KV cache, built from the token-level functions here
-(``prefill``, ``decode_one_token``), which follow gpt-fast: plain functions over a model and a
-pre-allocated cache.
+messages or token ids), text pieces out, with the user-visible metrics (TTFT, TPOT, tokens/s,
+and acceptance with speculation). It runs every request through a serving engine
+(:class:`~fastdraft.engine.llm_engine.LLMEngine`) of one sequence, speculative or not.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any, Protocol
 
-import torch
-
-from fastdraft.engine.allocator import tune_malloc
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.kernels.mode import batch_invariant
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.metrics import GenerationMetrics
-from fastdraft.layers.kv_cache import KVCache
-from fastdraft.layers.sampler import make_generator, sample
-from fastdraft.models.fused_decoder import FusedDecoder
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.engine.speculation import Speculation
 from fastdraft.models.loader import LoadedModel
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-
-
-class Speculation(Protocol):
-    """What :class:`TextGenerator` needs of a speculative-decoding configuration
-    (``fastdraft.spec.config.SpeculativeConfig``): the engine runs speculation without knowing
-    how it drafts."""
-
-    num_speculative_tokens: int
-
-    def start(self, target: LoadedModel, kv_cache: KVCache, draft: LoadedModel | None) -> "Speculator":
-        """Prepare the proposer for ``target`` and its cache."""
-
-
-class Speculator(Protocol):
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int]) -> tuple[Any, Iterator[int]]:
-        """(the request's acceptance metrics, an iterator of new token ids)."""
-
-
-@torch.inference_mode()
-def prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
-    """Run the prompt ``input_ids`` [1, num_tokens] into an empty slot; return last logits [1, vocab]."""
-    kv_cache.reset(slot)
-    meta = kv_cache.append(input_ids.shape[1], slot)
-    hidden = model(input_ids, kv_cache, meta)  # [1, num_tokens, hidden]
-    return model.compute_logits(hidden[:, -1])
-
-
-@torch.inference_mode()
-def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0,
-                     decoder: FusedDecoder | None = None) -> torch.Tensor:
-    """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]
-    (through ``decoder``, the model's fused C++ decoder, when given)."""
-    meta = kv_cache.append(1, slot)
-    return model.decode_logits(token_id, kv_cache, meta, decoder=decoder)  # [1, vocab]
-
-
-def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: int) -> None:
-    """Reject a request that cannot run, before any work starts."""
-    if num_prompt_tokens == 0:
-        raise ValueError("the prompt is empty")
-    if params.uses_engine_extras():
-        raise ValueError("penalties, logit_bias, min_tokens and logprobs are served by the serving engine, not by "
-                         "the single-sequence speculative loop")
-    if num_prompt_tokens + params.max_new_tokens > max_seq_len:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-            f"maximum sequence length {max_seq_len}"
-        )
-
-
-def generate_token_ids(model: LlamaForCausalLM, prompt_ids: list[int], params: SamplingParams,
-                       kv_cache: KVCache, eos_token_ids: list[int], slot: int = 0) -> Iterator[int]:
-    """Yield new token ids one by one until EOS or ``max_new_tokens`` (the EOS id is yielded)."""
-    check_request(len(prompt_ids), params, kv_cache.max_seq_len)
-    generator = make_generator(params.seed, model.device)
-    eos = set() if params.ignore_eos else set(eos_token_ids)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    logits = prefill(model, input_ids, kv_cache, slot)
-    decoder = model.fused_decoder()
-    for step in range(params.max_new_tokens):
-        next_id = sample(logits, params, generator)  # [1]
-        token = int(next_id)
-        yield token
-        if token in eos or step == params.max_new_tokens - 1:
-            return
-        logits = decode_one_token(model, next_id.view(1, 1), kv_cache, slot, decoder)
+from fastdraft.tokenizer import Tokenizer
 
 
 class GenerationStream:
@@ -119,26 +40,15 @@ class GenerationStream:
         return self
 
 
-def _in_kernel_mode(token_iter: Iterator[int], is_batch_invariant: bool) -> Iterator[int]:
-    """``token_iter`` with each step's work inside :func:`batch_invariant` (entered around each
-    ``next``, so the mode never leaks to the reader between tokens)."""
-    while True:
-        with batch_invariant(is_batch_invariant):
-            token = next(token_iter, None)
-        if token is None:
-            return
-        yield token
-
-
 class TextGenerator:
     """Prompt in, streamed text out, one request at a time.
 
-    Plain requests run through a serving engine of one sequence (``engine_config``, by
-    default one sequence of up to ``max_seq_len`` tokens with prefix caching: a prompt that
-    repeats an earlier one's blocks skips their prefill). With ``speculative`` set, tokens come
-    from speculative decoding over a contiguous cache of ``max_seq_len`` positions (same
-    outputs for greedy, same distribution for sampling) and ``metrics.spec`` reports acceptance;
-    its passes run in the engine configuration's kernel mode (``batch_invariant``).
+    Requests run through a serving engine of one sequence (``engine_config``, by default one
+    sequence of up to ``max_seq_len`` tokens with prefix caching: a prompt that repeats an
+    earlier one's blocks skips their prefill). With ``speculative`` (a
+    :class:`~fastdraft.spec.config.SpeculativeConfig`) the engine drafts and verifies tokens
+    (same outputs for greedy, same distribution for sampling) and ``metrics.spec`` reports
+    acceptance; ``draft``: an already loaded draft model for it.
     """
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 4096,
@@ -152,23 +62,9 @@ class TextGenerator:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
         self.speculative = speculative
-        self.engine: LLMEngine | None = None
-        self.speculator: Speculator | None = None
         config = engine_config or EngineConfig(max_num_seqs=1, max_model_len=max_seq_len)
-        # The speculative loop runs in the engine's kernel mode, so that its greedy output is
-        # the engine's plain greedy output, bit for bit.
-        self.batch_invariant = config.batch_invariant
-        if speculative is None:
-            self.engine = LLMEngine(loaded, config)
-            self.max_seq_len = self.engine.max_model_len
-        else:
-            tune_malloc()  # decode steps reuse their large buffers (the engine does this for itself)
-            # Verification appends up to k + 1 tokens past the committed length.
-            extra = speculative.num_speculative_tokens + 1
-            self.kv_cache = KVCache.from_config(loaded.config, max_seq_len + extra, dtype=self.model.dtype,
-                                                device=self.model.device)
-            self.max_seq_len = self.kv_cache.max_seq_len - extra
-            self.speculator = speculative.start(loaded, self.kv_cache, draft)
+        self.engine = LLMEngine(loaded, config, speculation=speculative, draft=draft)
+        self.max_seq_len = self.engine.max_model_len
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the chat template."""
@@ -187,15 +83,11 @@ class TextGenerator:
         ``prompt`` is text, chat messages, or token ids. A stream left unfinished is aborted
         when the next request starts."""
         params = params or SamplingParams()
-        start = time.perf_counter()
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty (no token ids or chat messages)")
         is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         if is_ids:
             prompt_ids = list(prompt)
-            vocab_size = self.model.config.vocab_size
-            if not all(0 <= t < vocab_size for t in prompt_ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab_size}), the model's vocabulary")
         elif isinstance(prompt, (str, list)):
             prompt_ids = self.encode_prompt(prompt, chat)
         else:
@@ -203,14 +95,9 @@ class TextGenerator:
         stream = GenerationStream()
         stream.prompt_ids = prompt_ids
         stream.metrics.num_prompt_tokens = len(prompt_ids)
-        if self.engine is not None:
-            request_id = self.engine.add_request(prompt_ids, params)  # checked first: a refused one aborts nothing
-            self.engine.abort_all(except_request_id=request_id)  # one at a time: an abandoned stream gives way
-            stream._pieces = self._engine_pieces(request_id, stream)
-            return stream
-        check_request(len(prompt_ids), params, self.max_seq_len)
-        stream.metrics.spec, token_iter = self.speculator.generate(prompt_ids, params, self.eos_token_ids)
-        stream._pieces = self._pieces(_in_kernel_mode(token_iter, self.batch_invariant), params, start, stream)
+        request_id = self.engine.add_request(prompt_ids, params)  # checked first: a refused one aborts nothing
+        self.engine.abort_all(except_request_id=request_id)  # one at a time: an abandoned stream gives way
+        stream._pieces = self._pieces(request_id, stream)
         return stream
 
     def generate(self, prompt: str | list[dict[str, str]], params: SamplingParams | None = None,
@@ -218,39 +105,9 @@ class TextGenerator:
         """Generate to completion; the returned stream holds ``text``, ``token_ids`` and ``metrics``."""
         return self.stream(prompt, params, chat).consume()
 
-    def _engine_pieces(self, request_id: str, stream: GenerationStream) -> Iterator[str]:
+    def _pieces(self, request_id: str, stream: GenerationStream) -> Iterator[str]:
         for out in self.engine.outputs(request_id):
             stream.token_ids = out.token_ids
             stream.metrics = out.metrics
             if out.new_text:
                 yield out.new_text
-
-    def _pieces(self, token_iter: Iterator[int], params: SamplingParams, start: float,
-                stream: GenerationStream) -> Iterator[str]:
-        metrics = stream.metrics
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stop = StopStringMatcher(list(params.stop))
-        eos = set() if params.ignore_eos else set(self.eos_token_ids)
-        last = start
-        metrics.finish_reason = "length"
-        for token in token_iter:
-            now = time.perf_counter()
-            if metrics.num_generated_tokens == 0:
-                metrics.ttft_s = now - start
-            else:
-                metrics.token_latencies_s.append(now - last)
-            last = now
-            metrics.num_generated_tokens += 1
-            stream.token_ids.append(token)
-            if token in eos:
-                metrics.finish_reason = "stop"
-                break
-            piece = stop.feed(detok.add(token))
-            if piece:
-                yield piece
-            if stop.is_stopped:
-                metrics.finish_reason = "stop"
-                return
-        tail = stop.flush()
-        if tail:
-            yield tail

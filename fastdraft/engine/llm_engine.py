@@ -18,10 +18,11 @@ import torch
 
 from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.block_manager import BlockManager
-from fastdraft.engine.metrics import GenerationMetrics
+from fastdraft.engine.metrics import GenerationMetrics, SpecMetrics
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.scheduler import Scheduler, SchedulerConfig
-from fastdraft.engine.sequence import Sequence
+from fastdraft.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from fastdraft.engine.sequence import Sequence, SequenceStatus
+from fastdraft.engine.speculation import Speculation, Speculator, may_speculate
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.models.loader import LoadedModel
 from fastdraft.sampling_params import SamplingParams
@@ -126,9 +127,14 @@ class _Request:
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache for one model."""
+    """Continuous batching over a paged KV cache for one model.
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    With ``speculation`` (a :class:`~fastdraft.spec.config.SpeculativeConfig`), decoding
+    requests draft tokens and verify them in the engine's steps (``engine/speculation.py``);
+    ``draft``: an already loaded draft model for it to use."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 speculation: Speculation | None = None, draft: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
         tune_malloc()  # steps reuse their large buffers instead of page-faulting them in
         self.loaded = loaded
@@ -147,6 +153,9 @@ class LLMEngine:
         self.eos_token_ids = set(loaded.config.eos_token_ids or [])
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, self.eos_token_ids,
                                   batch_invariant=self.config.batch_invariant)
+        self.speculator: Speculator | None = None
+        if speculation is not None:
+            self.speculator = speculation.start(loaded, self.runner, self.config.max_num_seqs, draft)
         self._requests: dict[str, _Request] = {}
         self._streams: dict[str, deque[RequestOutput]] = {}  # outputs waiting for generate()'s reader
         self._ids = itertools.count()
@@ -194,8 +203,13 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if seq is None or request is None:
             return False
-        self.runner.release(seq)
+        self._release(seq)
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of the requests that produced a token in it."""
@@ -204,8 +218,11 @@ class LLMEngine:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("no request could be scheduled: the KV cache is too small for the next one")
             return []
+        plain = self._speculate(output) if self.speculator is not None else []
         sampled = self.runner.execute(output)
         self.scheduler.update(output, sampled, self.eos_token_ids)
+        if self.speculator is not None:
+            self._record_speculation(output, sampled, plain)
         now = time.perf_counter()
         results = []
         for seq in output.seqs:
@@ -218,32 +235,91 @@ class LLMEngine:
                 self._streams[out.request_id].append(out)
         return results
 
-    def _record(self, request: _Request, token: int, now: float,
+    def _speculate(self, output: SchedulerOutput) -> list[Sequence]:
+        """Add draft tokens to ``output``'s decoding sequences where the speculator finds it
+        pays; the sequences that could have drafted but decode plainly."""
+        candidates = [i for i, (seq, num) in enumerate(zip(output.seqs, output.num_scheduled_tokens))
+                      if num == 1 and seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens + 1 == seq.num_tokens
+                      and may_speculate(seq.params)]
+        if not candidates:
+            return []
+        seqs = [output.seqs[i] for i in candidates]
+        lengths = self.speculator.draft_lengths(seqs, output.num_tokens)
+        drafting, num_tokens, plain = [], [], []
+        for i, seq, k in zip(candidates, seqs, lengths):
+            # No drafts past max_new_tokens or the model's length (the last token verifies them).
+            k = min(k, seq.params.max_new_tokens - len(seq.output_token_ids) - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k > 0 and self.scheduler.reserve_draft_slots(output, i, k):
+                drafting.append(i)
+                num_tokens.append(k)
+            else:
+                plain.append(seq)
+        if not drafting:
+            return plain
+        batch = self.speculator.propose([output.seqs[i] for i in drafting], num_tokens,
+                                        [self.runner.generator(output.seqs[i]) for i in drafting])
+        for i, k, draft_ids in zip(drafting, num_tokens, batch.draft_token_ids):
+            output.num_scheduled_tokens[i] -= k - len(draft_ids)  # the proposer found fewer
+            if draft_ids:
+                output.draft_token_ids[output.seqs[i].seq_id] = list(draft_ids)
+            else:
+                plain.append(output.seqs[i])
+        output.draft_probs, output.draft_vocab_ids = batch.draft_probs, batch.draft_vocab_ids
+        return plain
+
+    def _record_speculation(self, output: SchedulerOutput, sampled: dict[int, list[int]],
+                            plain: list[Sequence]) -> None:
+        """Tell the speculator, and each request's metrics, what the step's drafts came to."""
+        outcomes = [(seq, 0, 0) for seq in plain]
+        outcomes += [(seq, len(output.draft_token_ids[seq.seq_id]), len(sampled[seq.seq_id]) - 1)
+                     for seq in output.seqs if seq.seq_id in output.draft_token_ids]
+        for seq, num_draft, num_accepted in outcomes:
+            request = self._requests[seq.request_id]
+            spec = request.output.metrics.spec
+            if spec is None:
+                spec = request.output.metrics.spec = SpecMetrics()
+            # Emitted: what the sequence kept, up to EOS or its length limit.
+            num_emitted = len(seq.output_token_ids) - request.output.metrics.num_generated_tokens
+            spec.record(num_draft, num_accepted, num_emitted)
+            if not seq.is_finished:
+                self.speculator.update(seq, num_draft, num_accepted)
+
+    def _record(self, request: _Request, token_ids: list[int], now: float,
                 logprobs: tuple[float, list[tuple[int, float]]] | None) -> RequestOutput:
         seq, out = request.seq, request.output
+        token_ids = token_ids[:len(seq.output_token_ids) - len(out.token_ids)]  # past EOS or the length limit
         if logprobs is not None:
             out.logprobs = (out.logprobs or []) + [logprobs]
         metrics = out.metrics
+        # Tokens verified together arrive together; each gets its share of the gap.
+        gap = (now - request.last_token_time) / len(token_ids)
         if metrics.num_generated_tokens == 0:
             metrics.ttft_s = now - request.arrival
+            metrics.token_latencies_s.extend([gap] * (len(token_ids) - 1))
         else:
-            metrics.token_latencies_s.append(now - request.last_token_time)
+            metrics.token_latencies_s.extend([gap] * len(token_ids))
         request.last_token_time = now
-        metrics.num_generated_tokens += 1
-        out.token_ids.append(token)
-        out.new_token_ids = [token]
-        is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
-        piece = "" if is_eos else request.stop.feed(request.detokenizer.add(token))
-        if request.stop.is_stopped:
-            if seq.is_finished:
-                seq.finish_reason = "stop"  # the text ends at the stop string, whatever else ended it
-            else:
-                self.scheduler.finish(seq, "stop")
+        out.new_token_ids = []
+        piece = ""
+        for token in token_ids:
+            metrics.num_generated_tokens += 1
+            out.token_ids.append(token)
+            out.new_token_ids.append(token)
+            is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
+            piece += "" if is_eos else request.stop.feed(request.detokenizer.add(token))
+            if request.stop.is_stopped:
+                if seq.is_finished:
+                    seq.finish_reason = "stop"  # the text ends at the stop string, whatever else ended it
+                else:
+                    self.scheduler.finish(seq, "stop")
+                del seq.output_token_ids[len(out.token_ids):]  # tokens verified past the stop string
+                break
         if seq.is_finished:
             piece += request.stop.flush() if not request.stop.is_stopped else ""
             out.is_finished, out.finish_reason = True, seq.finish_reason
             metrics.finish_reason = seq.finish_reason
-            self.runner.release(seq)
+            self._release(seq)
             del self._requests[seq.request_id]
         out.new_text = piece
         out.text += piece

@@ -3,7 +3,9 @@ that reached the end of its tokens."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -13,8 +15,42 @@ from fastdraft.engine.sequence import Sequence
 from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.rejection_sampler import rejection_sample_batch
 from fastdraft.layers.sampler import apply_penalties, make_generator, sample_batch
 from fastdraft.models.llama import LlamaForCausalLM
+
+
+class Span(NamedTuple):
+    """A sequence's part of a flat batch: ``token_ids`` at positions ``start`` onwards, its
+    keys and values going to the blocks of ``block_table``."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+def flat_batch(spans: list[Span], block_size: int, device: torch.device) -> tuple[torch.Tensor,
+                                                                                  PagedAttentionMetadata]:
+    """Input ids [num_tokens] and the paged metadata of ``spans`` laid out back to back."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    context_lens: list[int] = []
+    for token_ids, start, block_table in spans:
+        input_ids.extend(token_ids)
+        for position in range(start, start + len(token_ids)):
+            positions.append(position)
+            slots.append(block_table[position // block_size] * block_size + position % block_size)
+        query_start_loc.append(query_start_loc[-1] + len(token_ids))
+        context_lens.append(start + len(token_ids))
+    max_blocks = max(len(span.block_table) for span in spans)
+    tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
+    for i, span in enumerate(spans):
+        tables[i, :len(span.block_table)] = torch.tensor(span.block_table, dtype=torch.long)
+    meta = PagedAttentionMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
+                                  query_start_loc, context_lens, tables.to(device))
+    return torch.tensor(input_ids, device=device), meta
 
 
 class ModelRunner:
@@ -51,61 +87,119 @@ class ModelRunner:
         """Forget a finished or aborted sequence's generator."""
         self._generators.pop(seq.seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def generator(self, seq: Sequence) -> torch.Generator:
+        """``seq``'s own random generator (seeded from its request), made on first use."""
         if seq.seq_id not in self._generators:
             self._generators[seq.seq_id] = make_generator(seq.params.seed, self.model.device)
         return self._generators[seq.seq_id]
 
     def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int],
                                                         list[Sequence]]:
-        """(input ids [num_tokens], metadata, the flat row of each sampling sequence's last token,
-        those sequences)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[Sequence] = []
+        """(input ids [num_tokens], metadata, the flat rows that sample, the sequences that
+        sample). A sequence samples from its last row, or with ``k`` draft tokens scheduled
+        (``output.draft_token_ids``) from its last ``k + 1`` rows, which verify them."""
+        spans, sample_rows, samplers = [], [], []
+        num_rows = 0
         for seq, num in zip(output.seqs, output.num_scheduled_tokens):
             start = seq.num_computed_tokens
-            tokens = seq.token_ids
-            input_ids.extend(tokens[start:start + num])
-            for position in range(start, start + num):
-                positions.append(position)
-                slots.append(self.block_manager.slot(seq, position))
-            query_start_loc.append(query_start_loc[-1] + num)
-            context_lens.append(start + num)
-            if start + num == seq.num_tokens:
-                sample_rows.append(query_start_loc[-1] - 1)
+            draft_ids = output.draft_token_ids.get(seq.seq_id, [])
+            token_ids = seq.token_ids[start:start + num - len(draft_ids)] + draft_ids
+            spans.append(Span(token_ids, start, seq.block_table))
+            num_rows += num
+            if start + num - len(draft_ids) == seq.num_tokens:
+                sample_rows.extend(range(num_rows - len(draft_ids) - 1, num_rows))
                 samplers.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in output.seqs)
-        tables = torch.zeros(len(output.seqs), max_blocks, dtype=torch.long)
-        for i, seq in enumerate(output.seqs):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
-        device = self.model.device
-        meta = PagedAttentionMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
-                                      query_start_loc, context_lens, tables.to(device))
-        return torch.tensor(input_ids, device=device), meta, sample_rows, samplers
+        input_ids, meta = flat_batch(spans, self.block_manager.block_size, self.model.device)
+        return input_ids, meta, sample_rows, samplers
+
+    def logits(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, rows: list[int]) -> torch.Tensor | None:
+        """fp32 logits [len(rows), vocab_size] of a flat batch's ``rows`` (None for no rows),
+        after one pass that writes every token's key and value to the cache."""
+        with batch_invariant(self.batch_invariant):
+            if self.decoder is not None and rows:  # the LM head inside the C++ call, where it can run
+                logits = self.model.paged_logits(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder, rows)
+                if logits is not None:
+                    return logits
+            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
+            return self.model.compute_logits(hidden[0, rows]) if rows else None
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[int, int]:
-        """Run ``output``'s step; the sampled token of each sequence that sampled, by ``seq_id``."""
+    def time_pass(self, num_seqs: int, context_len: int, repeats: int = 3) -> float:
+        """Median seconds of a pass of ``num_seqs`` one-token sequences, each after
+        ``context_len`` cached tokens, every row computing logits: a decode step (the
+        speculative cost model's calibration). Runs on blocks borrowed from the pool, which
+        must have them free."""
+        block_size = self.block_manager.block_size
+        seqs = [Sequence([0] * (context_len + 1)) for _ in range(num_seqs)]
+        for seq in seqs:
+            if not self.block_manager.append_slots(seq, context_len + 1):
+                for other in seqs:
+                    self.block_manager.free(other)
+                raise ValueError(f"the KV cache has too few free blocks to time {num_seqs} sequences")
+        try:
+            input_ids, meta = flat_batch([Span([0], context_len, seq.block_table) for seq in seqs], block_size,
+                                         self.model.device)
+            rows = list(range(num_seqs))
+            times = []
+            for _ in range(repeats + 1):  # the first pass warms up
+                start = time.perf_counter()
+                self.logits(input_ids, meta, rows)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times[1:])
+        finally:
+            for seq in seqs:
+                self.block_manager.free(seq)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[int, list[int]]:
+        """Run ``output``'s step; the new tokens of each sequence that sampled, by ``seq_id``:
+        one token, or with draft tokens the accepted ones and a recovered or bonus token."""
         start = time.perf_counter()
         input_ids, meta, sample_rows, samplers = self.prepare(output)
-        with batch_invariant(self.batch_invariant):
-            logits = None  # [num_sampling_seqs, vocab_size]
-            if self.decoder is not None and sample_rows:  # the LM head inside the C++ call, where it can run
-                logits = self.model.paged_logits(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder,
-                                                 sample_rows)
-            if logits is None:
-                hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
-                logits = self.model.compute_logits(hidden[0, sample_rows]) if sample_rows else None
+        logits = self.logits(input_ids, meta, sample_rows)  # [len(sample_rows), vocab_size]
         self.forward_seconds += time.perf_counter() - start
+        self.last_logprobs = {}
         if logits is None:
             return {}
-        # logits: [num_sampling_seqs, vocab_size]
         start = time.perf_counter()
+        new_token_ids: dict[int, list[int]] = {}
+        if output.draft_token_ids:
+            logits = self._verify(output, samplers, logits, new_token_ids)
+            samplers = [seq for seq in samplers if seq.seq_id not in output.draft_token_ids]
+        if samplers:
+            for seq, token in zip(samplers, self._sample(samplers, logits)):
+                new_token_ids[seq.seq_id] = [token]
+        self.sample_seconds += time.perf_counter() - start
+        return new_token_ids
+
+    def _verify(self, output: SchedulerOutput, samplers: list[Sequence], logits: torch.Tensor,
+                new_token_ids: dict[int, list[int]]) -> torch.Tensor:
+        """Verify the drafting sequences' rows with the rejection sampler, filling
+        ``new_token_ids``; the logits of the other samplers' rows, in order."""
+        verify_rows, plain_rows = [], []
+        cu_num_draft_tokens, drafting = [0], []
+        row = 0
+        for seq in samplers:
+            num_draft = len(output.draft_token_ids.get(seq.seq_id, ()))
+            if seq.seq_id in output.draft_token_ids:
+                verify_rows.extend(range(row, row + num_draft + 1))
+                cu_num_draft_tokens.append(cu_num_draft_tokens[-1] + num_draft)
+                drafting.append(seq)
+            else:
+                plain_rows.append(row)
+            row += num_draft + 1
+        draft_ids = torch.tensor([t for seq in drafting for t in output.draft_token_ids[seq.seq_id]],
+                                 dtype=torch.long, device=logits.device)  # [num_draft_tokens]
+        result = rejection_sample_batch(draft_ids, cu_num_draft_tokens, logits[verify_rows],
+                                        [seq.params for seq in drafting], [self.generator(seq) for seq in drafting],
+                                        output.draft_probs, output.draft_vocab_ids)
+        for seq, tokens in zip(drafting, result.output_token_ids):
+            new_token_ids[seq.seq_id] = tokens
+        return logits[plain_rows]
+
+    def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token for each sequence from its logits row, with its own parameters."""
+        # logits: [num_sampling_seqs, vocab_size]
         processed = logits  # copied on the first row a penalty or min_tokens changes
         for i, seq in enumerate(samplers):
             params = seq.params
@@ -122,8 +216,7 @@ class ModelRunner:
                 processed = logits.clone() if processed is logits else processed
                 processed[i] = row
         token_ids = sample_batch(processed, [seq.params for seq in samplers],
-                                 [self._generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]
-        self.last_logprobs = {}
+                                 [self.generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]
         for i, (seq, token) in enumerate(zip(samplers, token_ids)):
             num_top = seq.params.logprobs
             if num_top is not None:
@@ -132,5 +225,4 @@ class ModelRunner:
                 top = torch.topk(logprobs, num_top) if num_top else None
                 pairs = [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)]
                 self.last_logprobs[seq.seq_id] = (float(logprobs[token]), pairs)
-        self.sample_seconds += time.perf_counter() - start
-        return {seq.seq_id: token for seq, token in zip(samplers, token_ids)}
+        return token_ids

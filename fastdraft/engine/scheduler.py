@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.sequence import Sequence, SequenceStatus
 
@@ -36,11 +38,19 @@ class SchedulerConfig:
 @dataclass
 class SchedulerOutput:
     """One step's work: ``num_scheduled_tokens[i]`` tokens of ``seqs[i]``, starting at its
-    ``num_computed_tokens``."""
+    ``num_computed_tokens``.
+
+    A decoding sequence may also verify draft tokens (speculative decoding): its last token
+    then comes with ``draft_token_ids[seq_id]`` (``k`` tokens, counted in its scheduled ones),
+    drawn from ``draft_probs`` (rows back to back in ``seqs`` order; None for greedy drafts
+    only), over the vocabulary ids ``draft_vocab_ids`` when the draft's head covers part of it."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, draft_vocab]
+    draft_vocab_ids: torch.Tensor | None = None  # [draft_vocab]
 
     @property
     def num_tokens(self) -> int:
@@ -146,25 +156,48 @@ class Scheduler:
             budget -= num
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int], eos_token_ids: set[int]) -> list[Sequence]:
+    def reserve_draft_slots(self, output: SchedulerOutput, index: int, num_draft_tokens: int) -> bool:
+        """Make room in ``output`` for ``num_draft_tokens`` draft tokens after ``seqs[index]``'s
+        last token: cache slots and token budget. False, changing nothing, when either is short
+        (drafts never preempt anyone)."""
+        seq = output.seqs[index]
+        if output.num_tokens + num_draft_tokens > self.config.max_num_batched_tokens:
+            return False
+        if not self.block_manager.append_slots(seq, output.num_scheduled_tokens[index] + num_draft_tokens):
+            return False
+        output.num_scheduled_tokens[index] += num_draft_tokens
+        return True
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]],
+               eos_token_ids: set[int]) -> list[Sequence]:
         """Record a step: every scheduled sequence computed its tokens, and those that reached
-        the end of their tokens sampled one (``sampled``, by ``seq_id``). Returns the sequences
-        that finished, their blocks freed."""
+        the end of their tokens sampled (``sampled``, by ``seq_id``): one token, or after
+        verifying ``k`` draft tokens the accepted ones and one more. Rejected draft tokens are
+        not computed: the blocks that held only them go back to the pool, and the keys and
+        values they left in kept blocks are overwritten later. Returns the sequences that
+        finished, their blocks freed."""
         finished = []
         for seq, num in zip(output.seqs, output.num_scheduled_tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted later in the same schedule
-            seq.num_computed_tokens += num
+            num_draft = len(output.draft_token_ids.get(seq.seq_id, ()))
+            tokens = sampled.get(seq.seq_id, [])
+            # The last token and the accepted drafts are computed; rejected ones are not.
+            seq.num_computed_tokens += num - num_draft + max(len(tokens) - 1, 0)
+            if num_draft:
+                self.block_manager.trim(seq)
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk: no token yet
-            token = sampled[seq.seq_id]
-            seq.output_token_ids.append(token)
             reason = None
-            if token in eos_token_ids and not seq.params.ignore_eos:
-                reason = "stop"
-            elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
-                reason = "length"
+            for token in tokens:
+                seq.output_token_ids.append(token)
+                if token in eos_token_ids and not seq.params.ignore_eos:
+                    reason = "stop"
+                elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    break
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

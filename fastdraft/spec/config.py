@@ -7,16 +7,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.loader import load_model
+from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.fileio import fastdraft_home
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.linear import is_dense_linear
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict, parse_device
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
-from fastdraft.spec.decoding import Speculator
+from fastdraft.spec.draft_length import FREE, DraftLengthPolicy, measure_pass_cost
 from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
 from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
+from fastdraft.spec.speculator import EngineSpeculator
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +37,10 @@ class SpeculativeConfig:
 
     draft: str = SELF
     num_speculative_tokens: int = 4
-    is_adaptive: bool = True  # adapt k from acceptance and cost; fall back to plain decoding
-    # A draft token is "confident" when the draft's top probability reaches this; the adaptive
-    # draft length may stop a step's drafting after the first other one (0: never judge).
-    min_confidence: float = 0.8
+    is_adaptive: bool = True  # k per sequence from acceptance, batch size and costs; 0 when it does not pay
+    # A sequence stops a step's drafting after a token whose draft probability fell below this
+    # (0: never).
+    min_confidence: float = 0.5
     draft_low_bit: str | None = "sym_int4"  # how the draft is quantized on load (None: as stored)
     draft_group_size: int = 128
     # The draft's LM head: 4 (INT4, like its linears), 8 (INT8 per channel) or 16. A draft only
@@ -68,11 +71,32 @@ class SpeculativeConfig:
         if self.draft_device is not None:
             parse_device(self.draft_device, "draft_device")
 
-    def start(self, target: LoadedModel, kv_cache: KVCache, draft: LoadedModel | None = None) -> Speculator:
-        """A speculator drafting for ``target`` with the proposer this config describes
-        (``TextGenerator`` calls this with its KV cache)."""
-        return Speculator(target.model, build_proposer(self, target, kv_cache, draft), kv_cache,
-                          self.num_speculative_tokens, self.is_adaptive)
+    def start(self, target: LoadedModel, runner: ModelRunner, max_num_seqs: int,
+              draft: LoadedModel | None = None) -> EngineSpeculator:
+        """The engine's speculator for ``target``, drafting beside its ``runner`` (which runs
+        up to ``max_num_seqs`` sequences a step) with the proposer this config describes, its
+        costs timed now (a few passes, about a second)."""
+        proposer = build_proposer(self, target, runner, draft)
+        max_tokens = max_num_seqs * (self.num_speculative_tokens + 1)
+        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
+                                        min(64, max_tokens, runner.block_manager.num_free_blocks))
+        draft_cost = FREE
+        if isinstance(proposer, DraftModelProposer):
+            draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
+                                           min(64, max_num_seqs, proposer.runner.block_manager.num_free_blocks))
+        policy = DraftLengthPolicy(self.num_speculative_tokens, target_cost, draft_cost, self.is_adaptive)
+        return EngineSpeculator(proposer, policy)
+
+
+# Context of the sequences a cost is timed with: attention is part of every pass's cost.
+_TIMING_CONTEXT = 128
+
+
+def _time_pass(runner: ModelRunner, num_seqs: int) -> float:
+    """Seconds of a decode pass of ``num_seqs`` sequences, with as much context as fits."""
+    pool_tokens = runner.block_manager.num_free_blocks * runner.block_manager.block_size
+    context = min(_TIMING_CONTEXT, pool_tokens // num_seqs - runner.block_manager.block_size)
+    return runner.time_pass(num_seqs, max(context, 0))
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -145,18 +169,13 @@ def make_self_draft(target: LoadedModel, config: SpeculativeConfig,
     return prepare_draft(draft, config)
 
 
-def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache: KVCache,
-                   draft: LoadedModel | None = None):
-    """The proposer ``config`` describes, ready to draft for ``target``. An already loaded
-    ``draft`` model (HF's ``assistant_model``) is used as is instead of loading ``config.draft``."""
-
-    min_rows = target.model.min_rows
-    if min_rows > 1 and config.num_speculative_tokens + 1 > min_rows:
-        # Verification must run in the same padded shape as a decode step to stay exact.
-        raise ValueError(f"num_speculative_tokens must be at most {min_rows - 1} for this model "
-                         f"(its matmuls are padded to {min_rows} rows for exact greedy verification)")
+def build_proposer(config: SpeculativeConfig, target: LoadedModel, runner: ModelRunner,
+                   draft: LoadedModel | None = None) -> DraftModelProposer | NgramProposer:
+    """The proposer ``config`` describes, drafting for ``target`` beside its engine's
+    ``runner``. An already loaded ``draft`` model (HF's ``assistant_model``) is used as is
+    instead of loading ``config.draft``."""
     if config.draft == NGRAM:
-        return NgramProposer(target.config.vocab_size)
+        return NgramProposer()
     device = torch.device(config.draft_device) if config.draft_device else target.model.device
     token_ids = None
     if draft is not None:
@@ -169,10 +188,16 @@ def build_proposer(config: SpeculativeConfig, target: LoadedModel, target_cache:
         draft = load_model(config.draft, dtype=dtype, device=device)
         check_vocab_compatible(target, draft)
         draft, token_ids = prepare_draft(draft, config)
-    if config.draft == SELF and config.is_cache_shared and device == target.model.device:
-        cache, is_shared = target_cache, True
-    else:
-        cache = KVCache.from_config(draft.config, target_cache.max_seq_len, dtype=draft.model.dtype, device=device)
-        is_shared = False
-    return DraftModelProposer(draft.model, cache, shares_target_cache=is_shared, min_confidence=config.min_confidence,
-                              token_ids=token_ids)
+    block_manager = runner.block_manager
+    is_shared = (config.draft == SELF and config.is_cache_shared and device == target.model.device
+                 and draft.model.dtype == target.model.dtype)
+    if is_shared:  # the draft writes its guesses into the target's own blocks
+        draft_runner = ModelRunner(draft.model, runner.kv_cache, block_manager, batch_invariant=False)
+    else:  # as many tokens of cache as the target's pool, in the draft's own blocks
+        cache = PagedKVCache.from_config(draft.config, block_manager.num_blocks, block_manager.block_size,
+                                         draft.model.dtype, device)
+        draft_runner = ModelRunner(draft.model, cache, BlockManager(block_manager.num_blocks, block_manager.block_size,
+                                                                    enable_prefix_caching=False),
+                                   batch_invariant=False)
+    return DraftModelProposer(draft_runner, target.config.vocab_size, shares_target_cache=is_shared,
+                              min_confidence=config.min_confidence, token_ids=token_ids)

@@ -1,132 +1,170 @@
-"""Proposers: cheap ways to guess the next ``k`` tokens.
+"""Proposers: cheap ways to guess each decoding sequence's next ``k`` tokens, for a whole batch.
 
-* :class:`DraftModelProposer` runs a small model of the same tokenizer (a separate draft, or
-  the target's own INT4 copy for self-speculation). With ``shares_target_cache`` the draft
-  writes its speculative keys/values straight into the target's KV cache: the accepted
-  prefix there is always the target's own, exact KV, which needs no extra memory, no draft
-  prefill, and raises acceptance; verification overwrites every draft entry it scores.
-* :class:`NgramProposer` (prompt lookup) copies what followed the last occurrence of the
-  current n-gram in the context: free to run, and strong on code and edits.
+* :class:`DraftModelProposer` runs a small model of the same tokenizer, one batched pass per
+  draft position over every drafting sequence. A separate draft keeps its own paged KV cache
+  (its own blocks per sequence, grown and rolled back with the target's tokens). The target's
+  own INT4 copy (self-speculation) instead writes its guesses into the target's blocks, at the
+  positions verification is about to overwrite: the accepted prefix is always the target's own
+  keys and values, which costs no memory and no draft prefill, and raises acceptance.
+* :class:`NgramProposer` (prompt lookup) copies what followed the latest earlier occurrence of
+  a sequence's last n-gram: free to run, and strong on code and edits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.nn.functional as F
 
-from fastdraft.layers.kv_cache import KVCache
-from fastdraft.layers.sampler import greedy_ids, logits_to_probs, sample_from_probs
-from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.sampling_params import SamplingParams
-
-
-@dataclass
-class Proposal:
-    draft_token_ids: torch.Tensor  # [num_draft]
-    draft_probs: torch.Tensor | None  # [num_draft, draft_vocab]; None for greedy decoding
-    # The vocabulary ids of draft_probs' columns (sorted) when the draft's head covers only part
-    # of the vocabulary, every other token having draft probability 0; None: column i is token i.
-    draft_vocab_ids: torch.Tensor | None = None
-    # [num_draft] whether the draft's top probability reached its min_confidence at each
-    # token; None when the proposer does not judge confidence.
-    is_confident: list[bool] | None = None
+from fastdraft.engine.model_runner import ModelRunner, Span, flat_batch
+from fastdraft.engine.sequence import Sequence
+from fastdraft.engine.speculation import DraftBatch
+from fastdraft.layers.sampler import batched_probs, greedy_ids, sample_from_probs
 
 
 class DraftModelProposer:
-    """Proposes tokens by running a draft model autoregressively.
+    """Drafts by running a draft model autoregressively over a batch of sequences.
 
-    ``token_ids`` [draft_vocab]: the vocabulary ids of the draft head's rows when the head was
-    restricted to frequent tokens (spec/draft_vocab.py). Proposals then carry probabilities
-    over those ids only (``Proposal.draft_vocab_ids``): scattering each draft step's
-    distribution into a zeroed full-vocabulary row would cost about 0.1 ms per draft token.
+    ``runner`` runs the draft: over its own cache and block manager, or, with
+    ``shares_target_cache``, over the target's (a self-draft of the same shape). ``token_ids``
+    [draft_vocab]: the vocabulary ids of the draft head's rows when the head keeps only
+    frequent tokens (spec/draft_vocab.py); ``vocab_size``: the target's vocabulary.
 
-    ``min_confidence`` > 0: each draft token is flagged confident when the draft's top
-    probability (at the sampling temperature; softmax of the logits for greedy decoding)
-    reaches it, and a proposal asked to stop when unconfident ends after the first other."""
+    ``min_confidence`` > 0: a sequence stops drafting after a token whose draft probability
+    (at its sampling temperature; of the softmax for greedy requests) fell below it: later
+    positions are rarely accepted and would cost draft and verification work."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, shares_target_cache: bool = False,
+    def __init__(self, runner: ModelRunner, vocab_size: int, shares_target_cache: bool = False,
                  min_confidence: float = 0.0, token_ids: torch.Tensor | None = None) -> None:
-        self.model = model
-        self.decoder = model.fused_decoder()  # the draft's steps in one C++ call each
-        self.kv_cache = kv_cache
+        self.runner = runner
+        self.model = runner.model
+        self.vocab_size = vocab_size
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence
         self.token_ids = token_ids
-        self.step_costs = {}  # (k_max, prompt-length range) -> StepCosts, filled by speculative_generate
+        # A separate draft's view of each target sequence: the tokens it has computed
+        # (``prompt_token_ids``) in the draft's blocks.
+        self._shadows: dict[int, Sequence] = {}
+
+    def _start_span(self, seq: Sequence, num_draft: int) -> Span | None:
+        """The first draft pass's span of ``seq``: its last token (a shared cache already holds
+        the rest), or every token the draft has not computed; None when the draft's cache has no
+        room for them."""
+        if self.shares_target_cache:
+            return Span([seq.token_ids[-1]], seq.num_computed_tokens, seq.block_table)
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = self._shadows[seq.seq_id] = Sequence(list(seq.prompt_token_ids))
+        pending = seq.token_ids[shadow.num_computed_tokens:]
+        # Room for the pending tokens and the drafts fed back (all but the last).
+        if not self.runner.block_manager.append_slots(shadow, len(pending) + num_draft - 1):
+            self.release(seq)
+            return None
+        span = Span(pending, shadow.num_computed_tokens, shadow.block_table)
+        shadow.prompt_token_ids = seq.token_ids
+        shadow.num_computed_tokens += len(pending)
+        return span
 
     @torch.inference_mode()
-    def start(self, prompt_ids: list[int]) -> None:
-        """A new sequence: prefill a separate draft cache with the prompt now, as part of the
-        time to first token, rather than inside the first decode step."""
-        if not self.shares_target_cache:
-            self.kv_cache.reset()
-            ids = torch.tensor([prompt_ids], device=self.model.device)
-            self.model(ids, self.kv_cache, self.kv_cache.append(len(prompt_ids)))
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], generators: list[torch.Generator]) -> DraftBatch:
+        spans = [self._start_span(seq, k) for seq, k in zip(seqs, num_tokens)]
+        active = [i for i, span in enumerate(spans) if span is not None]
+        limits = [k if span is not None else 0 for k, span in zip(num_tokens, spans)]
+        draft_ids: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        is_sampled = any(not seqs[i].params.is_greedy for i in active)
+        block_size = self.runner.block_manager.block_size
+        while active:
+            input_ids, meta = flat_batch([spans[i] for i in active], block_size, self.model.device)
+            rows = [meta.query_start_loc[j + 1] - 1 for j in range(len(active))]
+            logits = self.runner.logits(input_ids, meta, rows)  # [num_active, draft_vocab]
+            next_ids, confident = self._draw(logits, [seqs[i] for i in active], [generators[i] for i in active],
+                                             [draft_probs[i] for i in active], is_sampled)
+            still_active = []
+            for j, i in enumerate(active):
+                draft_ids[i].append(next_ids[j])
+                if len(draft_ids[i]) < limits[i] and confident[j]:
+                    position = spans[i].start + len(spans[i].token_ids)
+                    spans[i] = Span([next_ids[j]], position, spans[i].block_table)
+                    still_active.append(i)
+            active = still_active
+        for i, seq in enumerate(seqs):
+            if not self.shares_target_cache and draft_ids[i]:  # the drafts fed back are computed
+                shadow = self._shadows[seq.seq_id]
+                shadow.prompt_token_ids = seq.token_ids + draft_ids[i][:-1]
+                shadow.num_computed_tokens += len(draft_ids[i]) - 1
+        probs = None
+        if is_sampled:
+            rows = [row for i in range(len(seqs)) for row in draft_probs[i]]
+            probs = torch.stack(rows) if rows else None  # [num_draft_tokens, draft_vocab]
+        return DraftBatch(draft_ids, probs, self.token_ids if probs is not None else None)
 
-    @torch.inference_mode()
-    def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None, stops_when_unconfident: bool = False) -> Proposal:
-        """Up to ``num_tokens`` draft tokens continuing the committed ``token_ids``; with
-        ``stops_when_unconfident``, none after the first token the draft was unsure of."""
-        cached = self.kv_cache.seq_lens[0]
-        pending = token_ids[cached:]  # tokens the draft has not seen yet (at least the last one)
-        device = self.model.device
-        input_ids = torch.tensor([pending], device=device)
-        draft_ids: list[torch.Tensor] = []
-        draft_probs: list[torch.Tensor] = []
-        is_confident: list[bool] = []
-        for step in range(num_tokens):
-            meta = self.kv_cache.append(input_ids.shape[1])
-            logits = self.model.decode_logits(input_ids, self.kv_cache, meta, 1, self.decoder)  # [1, draft_vocab]
-            if params.is_greedy:
-                probs = None
-                next_id = greedy_ids(logits)  # [1]
-                confidence = torch.softmax(logits, dim=-1).max() if self.min_confidence > 0 else None
-            else:
-                probs = logits_to_probs(logits, params)  # [1, draft_vocab]
-                next_id = sample_from_probs(probs, generator)
-                confidence = probs.max() if self.min_confidence > 0 else None
-            if self.token_ids is not None:
-                next_id = self.token_ids[next_id]
-            draft_ids.append(next_id)
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator],
+              probs_out: list[list[torch.Tensor]], is_sampled: bool) -> tuple[list[int], list[bool]]:
+        """Each row's draft token (its argmax, or a draw at its request's temperature), whether
+        the draft was confident of it; sampled distributions go to ``probs_out`` (every row
+        gets one when any request samples, so rows stay aligned with tokens)."""
+        params = [seq.params for seq in seqs]
+        probs = None
+        if is_sampled:  # [rows, draft_vocab], each row with its request's parameters
+            probs = batched_probs(logits, params)
+            if self.token_ids is None:
+                probs = _match_vocab(probs, self.vocab_size)
+        ids = greedy_ids(logits).tolist()  # [rows]
+        confidence = None
+        if self.min_confidence > 0:
+            confidence = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()  # [rows]
+        for j, p in enumerate(params):
+            if not p.is_greedy:
+                ids[j] = int(sample_from_probs(probs[j], generators[j]))
+                if confidence is not None:
+                    confidence[j] = float(probs[j].max())
             if probs is not None:
-                draft_probs.append(probs[0])
-            if confidence is not None:
-                is_confident.append(float(confidence) >= self.min_confidence)
-                if stops_when_unconfident and not is_confident[-1]:
-                    break
-            if step < num_tokens - 1:
-                input_ids = next_id.view(1, 1)
-        return Proposal(torch.cat(draft_ids), torch.stack(draft_probs) if draft_probs else None,
-                        self.token_ids if draft_probs else None, is_confident if self.min_confidence > 0 else None)
+                probs_out[j].append(probs[j])
+        if self.token_ids is not None:
+            ids = self.token_ids[ids].tolist()
+        confident = [True] * len(ids) if confidence is None else [c >= self.min_confidence for c in confidence]
+        return ids, confident
 
-    def rollback(self, num_valid: int) -> None:
-        """Keep only cache entries of the first ``num_valid`` committed tokens."""
-        if not self.shares_target_cache:
-            self.kv_cache.truncate(min(self.kv_cache.seq_lens[0], num_valid))
+    def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        """Roll a separate draft's cache back to the tokens the target kept."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return
+        computed, committed = shadow.prompt_token_ids, seq.token_ids
+        num_valid = 0
+        limit = min(shadow.num_computed_tokens, len(committed) - 1)
+        while num_valid < limit and computed[num_valid] == committed[num_valid]:
+            num_valid += 1
+        shadow.num_computed_tokens = num_valid
+        shadow.prompt_token_ids = committed[:max(num_valid, 1)]
+        self.runner.block_manager.trim(shadow)
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.runner.block_manager.free(shadow)
 
 
-class NgramProposer:
-    """Prompt lookup decoding: match the last ``n`` tokens earlier in the context.
+def _match_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Zero-pad (or trim the padding of) draft probabilities to the target's vocabulary size."""
+    if probs.shape[-1] == vocab_size:
+        return probs
+    if probs.shape[-1] < vocab_size:
+        return F.pad(probs, (0, vocab_size - probs.shape[-1]))
+    return probs[..., :vocab_size]
 
-    The latest earlier occurrence of each n-gram that has a token after it is kept in an index
-    grown with the committed tokens, so a proposal costs a dictionary lookup per ``n`` rather
-    than a scan of the context (0.45 ms per step at 1500 tokens in Python, growing with it)."""
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+class NgramIndex:
+    """One sequence's n-gram index: the latest earlier occurrence of each n-gram that has a
+    token after it, grown with the committed tokens, so that a lookup costs a dictionary probe
+    per ``n`` rather than a scan of the context (0.45 ms a step at 1500 tokens in Python)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.step_costs = {}
         self._indexed_ids: list[int] = []  # the tokens the index covers
         self._latest_start: dict[int, dict[tuple[int, ...], int]] = {}  # n -> n-gram -> latest start
-
-    def start(self, prompt_ids: list[int]) -> None:
-        """A new sequence: index its prompt now, as part of the time to first token. The index
-        depends on the tokens alone, so a prompt that continues the indexed tokens keeps it."""
-        self._index(prompt_ids)
 
     def _index(self, token_ids: list[int]) -> None:
         """Extend the index to ``token_ids``; rebuild it when they do not continue what it covers."""
@@ -142,25 +180,48 @@ class NgramProposer:
                 latest[tuple(token_ids[start:start + n])] = start
         self._indexed_ids.extend(token_ids[num_old:])
 
-    def propose(self, token_ids: list[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None, stops_when_unconfident: bool = False) -> Proposal:
+    def lookup(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens that followed the longest matching n-gram's latest
+        earlier occurrence (recent context predicts best); [] without a match."""
         self._index(token_ids)
-        found: list[int] = []
-        # Longest n-gram first; its latest earlier occurrence, since recent context predicts best.
         for n in range(min(self.max_ngram, len(token_ids) - 1), self.min_ngram - 1, -1):
             start = self._latest_start[n].get(tuple(token_ids[-n:]))
             if start is not None:
-                found = token_ids[start + n:start + n + num_tokens]
-                break
-        ids = torch.tensor(found, dtype=torch.long)
-        probs = None
-        if not params.is_greedy and found:
-            # A deterministic proposal is a point mass; rejection sampling stays exact with it.
-            probs = torch.zeros(len(found), self.vocab_size)
-            probs[torch.arange(len(found)), ids] = 1.0
-        elif not params.is_greedy:
-            probs = torch.zeros(0, self.vocab_size)
-        return Proposal(ids, probs)
+                return token_ids[start + n:start + n + num_tokens]
+        return []
 
-    def rollback(self, num_valid: int) -> None:
-        pass
+
+class NgramProposer:
+    """Prompt lookup decoding for a batch: each sequence with its own :class:`NgramIndex`.
+
+    A lookup's proposal is deterministic, a point mass; rejection sampling stays exact with
+    it. Sampled requests get those point masses as draft probabilities over the step's
+    distinct draft tokens (``DraftBatch.draft_vocab_ids``), not over the whole vocabulary."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        NgramIndex(max_ngram, min_ngram)  # checks the sizes
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], generators: list[torch.Generator]) -> DraftBatch:
+        draft_ids = []
+        for seq, k in zip(seqs, num_tokens):
+            index = self._indexes.get(seq.seq_id)
+            if index is None:
+                index = self._indexes[seq.seq_id] = NgramIndex(self.max_ngram, self.min_ngram)
+            draft_ids.append(index.lookup(seq.token_ids, k))
+        if all(seq.params.is_greedy for seq in seqs) or not any(draft_ids):
+            return DraftBatch(draft_ids)
+        flat = [t for ids in draft_ids for t in ids]
+        vocab_ids = torch.tensor(sorted(set(flat)), dtype=torch.long)  # [num_distinct]
+        columns = torch.searchsorted(vocab_ids, torch.tensor(flat, dtype=torch.long))
+        probs = torch.zeros(len(flat), len(vocab_ids))  # [num_draft_tokens, num_distinct]
+        probs[torch.arange(len(flat)), columns] = 1.0
+        device = generators[0].device
+        return DraftBatch(draft_ids, probs.to(device), vocab_ids.to(device))
+
+    def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        pass  # the index follows the committed tokens at the next lookup
+
+    def release(self, seq: Sequence) -> None:
+        self._indexes.pop(seq.seq_id, None)

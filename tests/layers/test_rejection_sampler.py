@@ -6,7 +6,7 @@ import torch
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.rejection_sampler import (rejection_sample_batch, reference_verify_sampled, verify_greedy,
+from fastdraft.layers.rejection_sampler import (rejection_sample_batch, reference_verify_sampled, verify_greedy,
                                               verify_sampled)
 
 # verify_sampled runs the C++ rejection_sample on the CPU; its twin runs torch ops. Both must

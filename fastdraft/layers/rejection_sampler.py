@@ -138,7 +138,8 @@ class BatchVerificationResult:
 def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int],
                            target_logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator | None],
-                           draft_probs: torch.Tensor | None = None) -> BatchVerificationResult:
+                           draft_probs: torch.Tensor | None = None,
+                           draft_vocab_ids: torch.Tensor | None = None) -> BatchVerificationResult:
     """Verify the drafts of a whole batch, flat as the engine lays it out (vLLM's shape).
 
     draft_token_ids: [num_draft_tokens], every request's draft tokens back to back; request
@@ -146,7 +147,9 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
     may be 0). target_logits: [num_draft_tokens + num_reqs, vocab_size], request ``i``'s
     ``k_i + 1`` rows starting at ``cu_num_draft_tokens[i] + i``. draft_probs:
     [num_draft_tokens, vocab_size], the distributions the draft tokens were drawn from (rows
-    of greedy requests are not read; None when every request is greedy).
+    of greedy requests are not read; None when every request is greedy), or
+    [num_draft_tokens, draft_vocab] over the sorted ids ``draft_vocab_ids`` [draft_vocab] when
+    the draft's head covers part of the vocabulary.
 
     Greedy requests (``params[i].is_greedy``) accept while the draft equals the target's
     argmax, all in one argmax over their rows. Sampled requests are rejection-sampled with
@@ -191,7 +194,8 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
             probs = target_probs[sampled_start:sampled_start + k + 1]  # [k + 1, vocab_size]
             sampled_start += k + 1
             result = verify_sampled(draft_token_ids[start:end], draft_probs[start:end] if k else
-                                    probs.new_zeros(0, probs.shape[1]), probs, generators[i])
+                                    probs.new_zeros(0, probs.shape[1]), probs, generators[i],
+                                    draft_vocab_ids if k else None)
             n, tokens = result.num_accepted, result.output_token_ids
         outputs.append(tokens)
         accepted.append(n)
