@@ -9,27 +9,22 @@ from collections.abc import Callable
 
 import torch
 
+from fastdraft.engine.generate import decode_one_token, prefill
 from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.tokenizer import Tokenizer
-
-
-def _prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-    """Run the prompt ``input_ids`` [1, num_tokens] into the empty cache; last logits [1, vocab]."""
-    hidden = model(input_ids, kv_cache, kv_cache.append(input_ids.shape[1]))  # [1, num_tokens, hidden]
-    return model.compute_logits(hidden[:, -1])
 
 
 @torch.inference_mode()
 def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int]) -> float:
     """Median greedy next-token latency in milliseconds."""
     cache = KVCache.from_config(model.config, len(prompt_ids) + num_tokens + 1, dtype=model.dtype, device=model.device)
-    logits = _prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
+    logits = prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
     decoder = model.fused_decoder()
     times = []
     for _ in range(num_tokens):
         start = time.perf_counter()
-        logits = model.decode_logits(logits.argmax(-1).view(1, 1), cache, cache.append(1), decoder=decoder)
+        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache, decoder=decoder)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
 

@@ -193,7 +193,7 @@ def test_penalties_follow_vllms_formulas():
             SamplingParams(**bad)
 
 
-def test_engine_extras_min_tokens_logprobs_and_a_refusing_speculative_loop(tiny_models):
+def test_engine_extras_min_tokens_and_logprobs_with_and_without_speculation(tiny_models):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
     sampled = dict(max_new_tokens=8, temperature=1.0, seed=5)
@@ -207,9 +207,12 @@ def test_engine_extras_min_tokens_logprobs_and_a_refusing_speculative_loop(tiny_
     for token, (chosen, top) in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])  # greedy: the top one
         assert chosen <= 0 and sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
+    # With speculation on, such a request decodes plainly, with its options.
     speculative = TextGenerator(loaded, max_seq_len=64, speculative=SpeculativeConfig(draft="ngram"))
-    with pytest.raises(ValueError, match="serving engine"):
-        speculative.generate("x", SamplingParams(max_new_tokens=2, presence_penalty=1.0))
+    penalised = SamplingParams(max_new_tokens=6, presence_penalty=1.0, ignore_eos=True)
+    out = speculative.generate("x x x x", penalised)
+    assert out.token_ids == TextGenerator(loaded, max_seq_len=64).generate("x x x x", penalised).token_ids
+    assert out.metrics.spec is None
 
 
 def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models):

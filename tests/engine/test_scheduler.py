@@ -48,7 +48,7 @@ def run(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> 
             # Every token this step computes has a slot in the sequence's blocks.
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + num
             if seq.num_computed_tokens + num == seq.num_tokens:
-                sampled[seq.seq_id] = next_token(seq.token_ids)
+                sampled[seq.seq_id] = [next_token(seq.token_ids)]
         scheduler.update(out, sampled, {EOS})
     else:
         pytest.fail("the scheduler did not finish")
@@ -178,7 +178,7 @@ def test_chunked_prefill_interleaves_with_decodes():
     short = seq_of([1, 2, 3], max_new_tokens=20, request_id="short")
     scheduler.add(short)
     out = scheduler.schedule()
-    scheduler.update(out, {short.seq_id: next_token(short.token_ids)}, {EOS})
+    scheduler.update(out, {short.seq_id: [next_token(short.token_ids)]}, {EOS})
     long = seq_of(list(range(1, 41)), max_new_tokens=4, request_id="long")  # 40 tokens: 5+ chunks
     scheduler.add(long)
     chunks = []
@@ -186,7 +186,7 @@ def test_chunked_prefill_interleaves_with_decodes():
         out = scheduler.schedule()
         assert out.seqs[0] is short and out.num_scheduled_tokens[0] == 1  # the decode goes first
         chunks.append(dict(zip([s.request_id for s in out.seqs], out.num_scheduled_tokens))["long"])
-        sampled = {s.seq_id: next_token(s.token_ids) for s, n in zip(out.seqs, out.num_scheduled_tokens)
+        sampled = {s.seq_id: [next_token(s.token_ids)] for s, n in zip(out.seqs, out.num_scheduled_tokens)
                    if s.num_computed_tokens + n == s.num_tokens}
         scheduler.update(out, sampled, {EOS})
     assert chunks == [7, 7, 7, 7, 7, 5] and len(short.output_token_ids) == 7
@@ -225,7 +225,7 @@ def test_shared_prefixes_are_computed_once():
     computed = 0
     first = scheduler.schedule()
     computed += first.num_tokens
-    scheduler.update(first, {seqs[0].seq_id: next_token(seqs[0].token_ids)}, {EOS})
+    scheduler.update(first, {seqs[0].seq_id: [next_token(seqs[0].token_ids)]}, {EOS})
     outputs = run(scheduler, seqs[1:])
     assert outputs == {k: v for k, v in reference_outputs(seqs[1:]).items()}
     assert bm.num_prefix_hits == 4 * 16  # each later prompt found the 16 shared tokens
@@ -247,7 +247,7 @@ def test_eos_finishes_a_request_and_abort_frees_its_blocks():
     scheduler.add(stopper)
     scheduler.add(other)
     out = scheduler.schedule()
-    finished = scheduler.update(out, {stopper.seq_id: EOS, other.seq_id: 7}, {EOS})
+    finished = scheduler.update(out, {stopper.seq_id: [EOS], other.seq_id: [7]}, {EOS})
     assert finished == [stopper] and stopper.finish_reason == "stop" and stopper.output_token_ids == [EOS]
     assert scheduler.abort("other") is other and other.finish_reason == "abort"
     assert scheduler.abort("unknown") is None

@@ -22,11 +22,13 @@ def test_cuda_target_keeps_greedy_output(tiny_models, draft, draft_device):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = TextGenerator(target, max_seq_len=128).generate("def f(x):\n", params).token_ids
     config = SpeculativeConfig(draft="self" if draft == "self" else str(tiny_models.dir("llama")),
-                               draft_device=draft_device, draft_low_bit=None if draft == "model" else "sym_int4")
+                               draft_device=draft_device, draft_low_bit=None if draft == "model" else "sym_int4",
+                               is_adaptive=False, min_confidence=0.0)
     generator = TextGenerator(target, max_seq_len=128, speculative=config)
-    assert generator.speculator.proposer.model.device.type == (draft_device or "cuda")
+    proposer = generator.engine.speculator.proposer
+    assert proposer.model.device.type == (draft_device or "cuda")
     if draft_device == "cpu":
-        assert not generator.speculator.proposer.shares_target_cache  # a cache on another device cannot be shared
+        assert not proposer.shares_target_cache  # a cache on another device cannot be shared
     out = generator.generate("def f(x):\n", params)
     assert out.token_ids == plain and out.metrics.spec.num_steps > 0
     seeded = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True)

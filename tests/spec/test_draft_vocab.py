@@ -1,20 +1,40 @@
 """A draft head restricted to frequent tokens: what it keeps, and that decoding stays exact."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
+from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.sequence import Sequence
+from fastdraft.layers.kv_cache import KVCache, PagedKVCache
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec import draft_vocab
-from fastdraft.spec.config import SpeculativeConfig, build_proposer
-from fastdraft.spec.decoding import SpecMetrics, speculative_generate
+from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.spec.draft_length import DraftLengthPolicy, PassCost
 from fastdraft.spec.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
 from fastdraft.spec.proposer import DraftModelProposer
-from tests.spec.test_decoding import PROMPTS, _plain, _spec
+from fastdraft.spec.speculator import EngineSpeculator
+from tests.spec.test_engine_spec import PROMPTS
+
+
+def _draft_runner(draft) -> ModelRunner:
+    """A runner of ``draft`` over its own paged cache, as a separate draft has."""
+    cache = PagedKVCache.from_config(draft.config, 64, 16, draft.model.dtype, draft.model.device)
+    return ModelRunner(draft.model, cache, BlockManager(64, 16, enable_prefix_caching=False), batch_invariant=False)
+
+
+class _DraftOnly:
+    """A speculation drafting ``k`` tokens with ``proposer`` for every sequence, every step."""
+
+    def __init__(self, proposer: DraftModelProposer, k: int) -> None:
+        self.proposer, self.k = proposer, k
+
+    def start(self, target, runner, max_num_seqs, draft=None):
+        free = PassCost([(1, 0.0)])
+        return EngineSpeculator(self.proposer, DraftLengthPolicy(self.k, free, free, is_adaptive=False))
 
 CORPUS = ["def add(a, b):\n    return a + b\n" * 20, "The quick brown fox jumps over the lazy dog. " * 5]
 
@@ -67,21 +87,21 @@ def test_restricted_head_gives_the_kept_rows_of_the_full_logits(tiny_models):
 def test_greedy_with_a_restricted_draft_equals_plain_greedy(target, tiny_models, monkeypatch):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompts = [target.tokenizer.encode(text) for text in PROMPTS]
-    expected = [_plain(target, ids, params) for ids in prompts]
+    expected = [o.token_ids for o in run_to_completion(LLMEngine(target, EngineConfig(num_blocks=64)), prompts,
+                                                        [params] * len(prompts))]
     # The ranking puts the first continuation's tokens first, so the draft can propose those
     # and few others the tiny random model likes.
     first = list(dict.fromkeys(expected[0]))
     monkeypatch.setattr(draft_vocab, "ranked_token_ids", lambda tokenizer, cache_dir=None: first + list(range(300)))
     config = SpeculativeConfig(draft=str(tiny_models.dir("qwen2")), draft_vocab_size=40, draft_low_bit=None,
-                               is_adaptive=False)
-    proposer = build_proposer(config, target, KVCache.from_config(target.config, 256 + 5, dtype=torch.float32))
+                               is_adaptive=False, min_confidence=0.0)
+    engine = LLMEngine(target, EngineConfig(num_blocks=64), speculation=config)
+    proposer = engine.speculator.proposer
     assert proposer.token_ids is not None and len(proposer.token_ids) <= 40
     assert proposer.model.lm_head.out_features == len(proposer.token_ids)
-    for prompt_ids, plain in zip(prompts, expected):
-        got, metrics, _ = _spec(target, lambda c: proposer, prompt_ids, params)
-        assert got == plain
-        if plain is expected[0]:
-            assert metrics.acceptance_rate > 0.5  # the same model, on tokens its head kept
+    outputs = run_to_completion(engine, prompts, [params] * len(prompts))
+    assert [o.token_ids for o in outputs] == expected
+    assert outputs[0].metrics.spec.acceptance_rate > 0.5  # the same model, on tokens its head kept
 
 
 def test_restricted_draft_proposes_kept_tokens_with_zero_mass_elsewhere(target, tiny_models):
@@ -93,43 +113,53 @@ def test_restricted_draft_proposes_kept_tokens_with_zero_mass_elsewhere(target, 
         full_logits = draft.model.compute_logits(draft.model(torch.tensor([prompt_ids]), cache,
                                                              cache.append(len(prompt_ids)))[0, -1])  # [vocab_size]
     restrict_lm_head(draft.model, token_ids)
-    proposer = DraftModelProposer(draft.model, KVCache.from_config(draft.config, 64, dtype=torch.float32),
-                                  token_ids=token_ids)
-    proposer.start(prompt_ids[:-1])  # the last committed token is fed with the first draft step
+    proposer = DraftModelProposer(_draft_runner(draft), target.config.vocab_size, token_ids=token_ids)
     generator = torch.Generator().manual_seed(0)
-    proposal = proposer.propose(prompt_ids, 4, SamplingParams(temperature=1.0), generator)
-    assert set(proposal.draft_token_ids.tolist()) <= set(token_ids.tolist())
-    probs = proposal.draft_probs  # [4, draft_vocab], over the kept tokens only
-    assert torch.equal(proposal.draft_vocab_ids, token_ids)
+    seq = Sequence(prompt_ids, SamplingParams(temperature=1.0))
+    batch = proposer.propose([seq], [4], [generator])
+    assert len(batch.draft_token_ids[0]) == 4 and set(batch.draft_token_ids[0]) <= set(token_ids.tolist())
+    probs = batch.draft_probs  # [4, draft_vocab], over the kept tokens only
+    assert torch.equal(batch.draft_vocab_ids, token_ids)
     assert probs.shape == (4, len(token_ids)) and torch.allclose(probs.sum(-1), torch.ones(4))
     # The first step's distribution is the full head's, renormalised over the kept tokens.
     torch.testing.assert_close(probs[0], torch.softmax(full_logits[token_ids], -1), rtol=1e-4, atol=1e-6)
+    proposer.release(seq)
+    assert proposer.runner.block_manager.num_free_blocks == 64
 
 
 def test_sampling_with_a_restricted_draft_follows_the_target_distribution(target, tiny_models):
     # The draft cannot propose some of the target's likely tokens: they must still come out at
-    # the target's rates, as recovered tokens.
-    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
+    # the target's rates, as recovered tokens. The first new token comes from the prompt's
+    # pass; the second from verifying the draft's token.
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
     prompt_ids = target.tokenizer.encode(PROMPTS[0])
-    cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
-    with torch.inference_mode():
-        logits = target.model.compute_logits(target.model(torch.tensor([prompt_ids]), cache,
-                                                          cache.append(len(prompt_ids)))[0, -1])
-    exact = logits_to_probs(logits, params)  # [vocab_size]
-    support = exact.nonzero().flatten()
-    kept = torch.tensor([i for i in range(target.config.vocab_size) if i not in support[:2].tolist()])
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
+        with torch.inference_mode():
+            hidden = target.model(torch.tensor([ids]), cache, cache.append(len(ids)))
+            return logits_to_probs(target.model.compute_logits(hidden[0, -1]), params)  # [vocab_size]
+
+    first = next_probs(prompt_ids)
+    exact = {(a, b): float(first[a] * p_b) for a in first.nonzero().flatten().tolist()
+             for b, p_b in enumerate(next_probs(prompt_ids + [a]).tolist()) if p_b > 0}
+    second_likely = sorted({b for _, b in exact}, key=lambda b: -sum(p for (_, x), p in exact.items() if x == b))[:2]
+    kept = torch.tensor([i for i in range(target.config.vocab_size) if i not in second_likely])
     draft = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     restrict_lm_head(draft.model, kept)
-    proposer = DraftModelProposer(draft.model, KVCache.from_config(draft.config, 64, dtype=torch.float32),
-                                  token_ids=kept)
-    num_samples = 1200
-    counts = torch.zeros(target.config.vocab_size)
-    metrics = SpecMetrics()
-    for seed in range(num_samples):
-        cache.reset()
-        out = list(speculative_generate(target.model, proposer, prompt_ids, replace(params, seed=seed), cache, [],
-                                        1, False, metrics))
-        counts[out[0]] += 1
-    tv = 0.5 * float((counts / num_samples - exact).abs().sum())
-    assert counts[support[:2]].sum() > 0  # tokens the draft cannot propose were recovered
-    assert tv < 0.05, f"total variation {tv:.3f} from the target's distribution"
+    proposer = DraftModelProposer(_draft_runner(draft), target.config.vocab_size, token_ids=kept)
+    engine = LLMEngine(target, EngineConfig(num_blocks=128), speculation=_DraftOnly(proposer, 1))
+    torch.manual_seed(0)
+    num_samples = 1920
+    counts: dict[tuple[int, int], int] = {}
+    num_draft = 0
+    for _ in range(num_samples // 64):
+        for out in run_to_completion(engine, [prompt_ids] * 64, [params] * 64):
+            key = tuple(out.token_ids[:2])
+            counts[key] = counts.get(key, 0) + 1
+            num_draft += out.metrics.spec.num_draft_tokens
+    assert num_draft > 0
+    assert sum(n for (_, b), n in counts.items() if b in second_likely) > 0  # recovered: the draft cannot propose them
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(key, 0) / num_samples - p) for key, p in exact.items())
+    assert tv < 0.06, f"total variation {tv:.3f} from the target's distribution"
