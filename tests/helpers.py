@@ -268,11 +268,12 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 class LiveServer:
     """The app under uvicorn on a thread, on a free loopback port."""
 
-    def __init__(self, loaded, engine_config: EngineConfig, model_name: str, **server_config) -> None:
+    def __init__(self, loaded, engine_config: EngineConfig, model_name: str, speculation=None,
+                 **server_config) -> None:
         self.engine: LLMEngine | None = None
 
         def load() -> LLMEngine:
-            self.engine = LLMEngine(loaded, engine_config)
+            self.engine = LLMEngine(loaded, engine_config, speculation=speculation)
             return self.engine
 
         app = build_app(load, ServerConfig(served_model_name=model_name, **server_config))

@@ -43,6 +43,17 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache").labels(**labels)
         self.preemptions = counter("num_preemptions", "Sequences preempted for want of KV-cache blocks").labels(
             **labels)
+        # Speculative decoding, counted when a request finishes (vLLM's spec_decode names).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Steps in which a request verified draft tokens").labels(
+            **labels)
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed").labels(**labels)
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted").labels(
+            **labels)
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft", ("position",))
+        self.spec_steps_per_k = counter("spec_decode_steps_per_draft_length",
+                                        "Decode steps of speculating requests, by the draft length chosen",
+                                        ("draft_length",))
         self._last = StepStats(0, 0, 0.0, 0, 0, 0)
 
     def record_step(self, stats: StepStats) -> None:
@@ -63,6 +74,15 @@ class ServerMetrics:
             self.prompt_tokens.inc(metrics.num_prompt_tokens)
         elif metrics.token_latencies_s:
             self.tpot.observe(metrics.token_latencies_s[-1])
+        if out.is_finished and metrics.spec is not None:
+            spec = metrics.spec
+            self.spec_drafts.inc(spec.num_steps)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, accepted in enumerate(spec.accepted_per_position):
+                self.spec_accepted_per_pos.labels(position=str(position), **self.labels).inc(accepted)
+            for k, steps in enumerate(spec.steps_per_draft_length):
+                self.spec_steps_per_k.labels(draft_length=str(k), **self.labels).inc(steps)
         if out.is_finished:
             self.e2e.observe(metrics.ttft_s + sum(metrics.token_latencies_s))
             self.request_success.labels(finished_reason=out.finish_reason or "abort", **self.labels).inc()

@@ -20,6 +20,13 @@ step's expected tokens per second, ``(num_seqs + sum of gains) / (target(n + dra
 of draft rounds)``, keeps rising, and keeps the best prefix. As the batch grows the marginal
 token's cost rises and fewer positions pay, down to ``k = 0`` for everyone: throughput
 degrades smoothly, with no batch size at which speculation switches off all at once.
+
+Two costs are not in a round's curve. A separate draft must first compute the tokens it has
+not seen (a new request's whole prompt): that catch-up is charged to the sequence's first
+position, spread over the steps its remaining tokens will take, since drafting on later steps
+reuses it. And speculation must beat plain decoding by ``margin`` (5%): a choice that only
+breaks even on timed costs loses to the overheads they leave out (building a draft batch,
+sampling it) and to timing noise.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ import bisect
 from collections.abc import Callable
 
 from fastdraft.engine.sequence import Sequence
+
+# Steps a sequence's remaining tokens are expected to take, per token (a step with drafts
+# emits about two): the draft's catch-up is spread over them.
+STEPS_PER_REMAINING_TOKEN = 0.5
 
 
 class PassCost:
@@ -93,14 +104,18 @@ class DraftLengthPolicy:
     ``is_adaptive=False`` drafts ``k_max`` tokens for every sequence, whatever it costs."""
 
     def __init__(self, k_max: int, target_cost: PassCost, draft_cost: PassCost, is_adaptive: bool = True,
-                 prior: float = 0.7, prior_trials: float = 4.0, ema: float = 0.9) -> None:
+                 prior: float = 0.7, prior_trials: float = 4.0, ema: float = 0.9, margin: float = 0.05,
+                 pending_tokens: Callable[[Sequence], int] = lambda seq: 0) -> None:
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
-        if not 0.0 < ema < 1.0 or not 0.0 <= prior <= 1.0 or prior_trials <= 0:
-            raise ValueError("need 0 < ema < 1, 0 <= prior <= 1 and prior_trials > 0")
+        if not 0.0 < ema < 1.0 or not 0.0 <= prior <= 1.0 or prior_trials <= 0 or margin < 0:
+            raise ValueError("need 0 < ema < 1, 0 <= prior <= 1, prior_trials > 0 and margin >= 0")
         self.k_max = k_max
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self.is_adaptive = is_adaptive
+        self.margin = margin
+        # Tokens the draft must compute for a sequence before its first draft token.
+        self.pending_tokens = pending_tokens
         self.prior, self.prior_trials, self.ema = prior, prior_trials, ema
         self._rates: dict[int, _Rate] = {}
 
@@ -122,10 +137,12 @@ class DraftLengthPolicy:
         num_drafting = [0] * (self.k_max + 1)  # [r]: sequences drafting at least r tokens
         tokens, num_draft = float(len(seqs)), 0
         draft_seconds = 0.0
-        best_rate = tokens / self.target_cost(num_step_tokens)
+        best_rate = tokens / self.target_cost(num_step_tokens) * (1 + self.margin)
         best_prefix = 0
-        for taken, (gain, r, _) in enumerate(candidates, start=1):
+        for taken, (gain, r, i) in enumerate(candidates, start=1):
             draft_seconds += self.draft_cost(num_drafting[r] + 1) - self.draft_cost(num_drafting[r])
+            if r == 1:
+                draft_seconds += self._catch_up_seconds(seqs[i])
             num_drafting[r] += 1
             tokens += gain
             num_draft += 1
@@ -136,6 +153,14 @@ class DraftLengthPolicy:
         for _, _, i in candidates[:best_prefix]:
             lengths[i] += 1
         return lengths
+
+    def _catch_up_seconds(self, seq: Sequence) -> float:
+        """The draft's catch-up on ``seq`` (beyond the one token a round feeds), per remaining step."""
+        pending = self.pending_tokens(seq) - 1
+        if pending <= 0:
+            return 0.0
+        remaining = seq.params.max_new_tokens - len(seq.output_token_ids)
+        return self.draft_cost(pending) / max(remaining * STEPS_PER_REMAINING_TOKEN, 1.0)
 
     def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         """Fold one step of ``seq`` in. A step tests positions up to the first rejection:

@@ -45,6 +45,13 @@ class DraftModelProposer:
         # (``prompt_token_ids``) in the draft's blocks.
         self._shadows: dict[int, Sequence] = {}
 
+    def pending_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the draft must compute before it drafts (its prompt, at first)."""
+        if self.shares_target_cache:
+            return 1
+        shadow = self._shadows.get(seq.seq_id)
+        return seq.num_tokens - (shadow.num_computed_tokens if shadow is not None else 0)
+
     def _start_span(self, seq: Sequence, num_draft: int) -> Span | None:
         """The first draft pass's span of ``seq``: its last token (a shared cache already holds
         the rest), or every token the draft has not computed; None when the draft's cache has no

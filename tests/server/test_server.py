@@ -69,6 +69,36 @@ def test_models_health_and_metrics(live):
         assert name in text, name
 
 
+def test_speculative_server_streams_plain_greedy_output_and_exports_acceptance(loaded):
+    from fastdraft.spec.config import SpeculativeConfig
+
+    speculation = SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0)
+    server = LiveServer(loaded, EngineConfig(num_blocks=512, block_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
+                        MODEL, speculation=speculation)
+    try:
+        client = server.client()
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        expected = offline(loaded, PROMPTS[:6], [params] * 6)
+
+        def complete(prompt: str) -> str:
+            stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            return "".join(chunk.choices[0].text for chunk in stream)
+
+        with ThreadPoolExecutor(6) as pool:  # batched: the six share the engine's steps
+            assert list(pool.map(complete, PROMPTS[:6])) == expected
+        server.wait_idle()
+        text = httpx.get(f"{server.url}/metrics").text
+        drafted = float(re.search(r'fastdraft:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)', text).group(1))
+        accepted = float(re.search(r'fastdraft:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)', text).group(1))
+        assert drafted > 0 and 0 < accepted <= drafted
+        assert 'fastdraft:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+        assert 'draft_length="4"' in text
+        assert server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks
+    finally:
+        server.stop()
+
+
 def test_completion_matches_offline_and_counts_usage(live, loaded):
     client = live.client()
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
