@@ -57,3 +57,35 @@ def test_vocab_check_accepts_the_pair(real_model_dir):
     check_vocab_compatible(small, small)
     big_tokenizer_dir = pull(TARGET)
     assert (big_tokenizer_dir / "tokenizer.json").read_bytes() == (real_model_dir / "tokenizer.json").read_bytes()
+
+
+def test_every_proposer_under_batching_equals_plain_greedy(real_model_dir):
+    """Four requests at once through the engine, per proposer, on the real models: the same
+    tokens as plain batched greedy decoding."""
+    from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+    from fastdraft.models.registry import pull
+
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    small = load_model(real_model_dir, dtype="bf16")
+    prompts = [small.tokenizer.encode(p) for p in PROMPTS[:2]] * 2
+    prompts[2] = prompts[2] + prompts[0]  # a repeat, for prompt lookup
+    config = EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory=0.5)
+
+    def outputs(loaded, speculation=None):
+        engine = LLMEngine(loaded, config, speculation=speculation)
+        outs = run_to_completion(engine, prompts, [params] * len(prompts))
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return [o.token_ids for o in outs], outs
+
+    plain, _ = outputs(small)
+    for draft in ("self", "ngram"):
+        got, outs = outputs(small, SpeculativeConfig(draft=draft, is_adaptive=False))
+        assert got == plain, draft
+        assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0, draft
+    del small
+    gc.collect()
+    target = load_model(pull(TARGET), dtype="bf16", load_in_low_bit="sym_int4")
+    plain, _ = outputs(target)
+    got, outs = outputs(target, SpeculativeConfig(draft=str(real_model_dir), is_adaptive=False))
+    assert got == plain
+    assert sum(o.metrics.spec.num_accepted_tokens for o in outs) > 0
