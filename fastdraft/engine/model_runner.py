@@ -190,9 +190,12 @@ class ModelRunner:
             row += num_draft + 1
         draft_ids = torch.tensor([t for seq in drafting for t in output.draft_token_ids[seq.seq_id]],
                                  dtype=torch.long, device=logits.device)  # [num_draft_tokens]
+        # A draft on another device (a CPU draft beside a CUDA target) hands its rows over.
+        draft_probs, draft_vocab_ids = (None if t is None else t.to(logits.device)
+                                        for t in (output.draft_probs, output.draft_vocab_ids))
         result = rejection_sample_batch(draft_ids, cu_num_draft_tokens, logits[verify_rows],
                                         [seq.params for seq in drafting], [self.generator(seq) for seq in drafting],
-                                        output.draft_probs, output.draft_vocab_ids)
+                                        draft_probs, draft_vocab_ids)
         for seq, tokens in zip(drafting, result.output_token_ids):
             new_token_ids[seq.seq_id] = tokens
         return logits[plain_rows]

@@ -184,8 +184,7 @@ class Scheduler:
             tokens = sampled.get(seq.seq_id, [])
             # The last token and the accepted drafts are computed; rejected ones are not.
             seq.num_computed_tokens += num - num_draft + max(len(tokens) - 1, 0)
-            if num_draft:
-                self.block_manager.trim(seq)
+            self.block_manager.trim(seq)  # blocks reserved for drafts that were rejected or never came
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk: no token yet

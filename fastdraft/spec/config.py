@@ -77,16 +77,16 @@ class SpeculativeConfig:
         up to ``max_num_seqs`` sequences a step) with the proposer this config describes, its
         costs timed now (a few passes, about a second)."""
         proposer = build_proposer(self, target, runner, draft)
-        max_tokens = max_num_seqs * (self.num_speculative_tokens + 1)
-        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
-                                        min(64, max_tokens, runner.block_manager.num_free_blocks))
-        draft_cost, pending_tokens = FREE, (lambda seq: 0)
-        if isinstance(proposer, DraftModelProposer):
-            draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
-                                           min(64, proposer.runner.block_manager.num_free_blocks))
-            pending_tokens = proposer.pending_tokens
+        target_cost = draft_cost = FREE
+        if self.is_adaptive:  # a fixed draft length needs no costs
+            max_tokens = max_num_seqs * (self.num_speculative_tokens + 1)
+            target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
+                                            min(64, max_tokens, runner.block_manager.num_free_blocks))
+            if isinstance(proposer, DraftModelProposer):
+                draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
+                                               min(64, proposer.runner.block_manager.num_free_blocks))
         policy = DraftLengthPolicy(self.num_speculative_tokens, target_cost, draft_cost, self.is_adaptive,
-                                   pending_tokens=pending_tokens)
+                                   pending_tokens=proposer.pending_tokens)
         return EngineSpeculator(proposer, policy)
 
 

@@ -22,9 +22,10 @@ token's cost rises and fewer positions pay, down to ``k = 0`` for everyone: thro
 degrades smoothly, with no batch size at which speculation switches off all at once.
 
 Two costs are not in a round's curve. A separate draft must first compute the tokens it has
-not seen (a new request's whole prompt): that catch-up is charged to the sequence's first
-position, spread over the steps its remaining tokens will take, since drafting on later steps
-reuses it. And speculation must beat plain decoding by ``margin`` (5%): a choice that only
+not seen (a new request's whole prompt): that catch-up is charged to the step in which the
+sequence starts drafting, spread over the steps its remaining tokens will take, since drafting
+on later steps reuses it. Such a sequence joins after the others are chosen, with the draft
+length that helps the step most, if any does. And speculation must beat plain decoding by ``margin`` (5%): a choice that only
 breaks even on timed costs loses to the overheads they leave out (building a draft batch,
 sampling it) and to timing noise.
 """
@@ -97,6 +98,35 @@ class _Rate:
         self.add(self.prior * (1 - self.ema), 1 - self.ema)
 
 
+class _Step:
+    """A step's expected tokens and seconds as draft positions are added to it."""
+
+    def __init__(self, policy: "DraftLengthPolicy", num_step_tokens: int, num_seqs: int) -> None:
+        self.policy = policy
+        self.num_step_tokens = num_step_tokens
+        self.tokens = float(num_seqs)
+        self.num_draft = 0
+        self.num_drafting = [0] * (policy.k_max + 1)  # [r]: sequences drafting at least r tokens
+        self.extra_seconds = 0.0  # draft rounds and catch-up
+
+    def copy(self) -> "_Step":
+        other = _Step(self.policy, self.num_step_tokens, 0)
+        other.tokens, other.num_draft, other.extra_seconds = self.tokens, self.num_draft, self.extra_seconds
+        other.num_drafting = list(self.num_drafting)
+        return other
+
+    def add(self, r: int, gain: float) -> None:
+        """One sequence's draft position ``r`` (its ``r - 1`` already added)."""
+        draft_cost = self.policy.draft_cost
+        self.extra_seconds += draft_cost(self.num_drafting[r] + 1) - draft_cost(self.num_drafting[r])
+        self.num_drafting[r] += 1
+        self.num_draft += 1
+        self.tokens += gain
+
+    def rate(self) -> float:
+        return self.tokens / (self.policy.target_cost(self.num_step_tokens + self.num_draft) + self.extra_seconds)
+
+
 class DraftLengthPolicy:
     """Chooses each decoding sequence's draft length from the step's batch, its own acceptance,
     and the measured costs of target and draft passes (see the module's docstring).
@@ -130,28 +160,40 @@ class DraftLengthPolicy:
         if not self.is_adaptive:
             return [self.k_max] * len(seqs)
         alphas = [min(self.acceptance(seq), 0.99) for seq in seqs]
-        # Every (sequence, position) by its expected gain; a sequence's position r never
-        # comes before its r - 1, since a^r falls with r (ties go to the lower position).
-        candidates = sorted(((alphas[i] ** r, r, i) for i in range(len(seqs)) for r in range(1, self.k_max + 1)),
+        catch_up = [self._catch_up_seconds(seq) for seq in seqs]
+        step = _Step(self, num_step_tokens, len(seqs))
+        # Sequences the draft has caught up on: every (sequence, position) by its expected
+        # gain, taken in that order; a sequence's position r never comes before its r - 1,
+        # since a^r falls with r (ties go to the lower position). The best prefix wins.
+        ready = [i for i in range(len(seqs)) if catch_up[i] == 0.0]
+        candidates = sorted(((alphas[i] ** r, r, i) for i in ready for r in range(1, self.k_max + 1)),
                             key=lambda c: (-c[0], c[1]))
-        num_drafting = [0] * (self.k_max + 1)  # [r]: sequences drafting at least r tokens
-        tokens, num_draft = float(len(seqs)), 0
-        draft_seconds = 0.0
-        best_rate = tokens / self.target_cost(num_step_tokens) * (1 + self.margin)
-        best_prefix = 0
-        for taken, (gain, r, i) in enumerate(candidates, start=1):
-            draft_seconds += self.draft_cost(num_drafting[r] + 1) - self.draft_cost(num_drafting[r])
-            if r == 1:
-                draft_seconds += self._catch_up_seconds(seqs[i])
-            num_drafting[r] += 1
-            tokens += gain
-            num_draft += 1
-            rate = tokens / (self.target_cost(num_step_tokens + num_draft) + draft_seconds)
-            if rate > best_rate:
-                best_rate, best_prefix = rate, taken
+        best_rate, best_prefix = step.rate() * (1 + self.margin), 0
+        for taken, (gain, r, _) in enumerate(candidates, start=1):
+            step.add(r, gain)
+            if step.rate() > best_rate:
+                best_rate, best_prefix = step.rate(), taken
+        step = _Step(self, num_step_tokens, len(seqs))
         lengths = [0] * len(seqs)
-        for _, _, i in candidates[:best_prefix]:
+        for gain, r, i in candidates[:best_prefix]:
+            step.add(r, gain)
             lengths[i] += 1
+        # The others pay their catch-up before their first draft: each joins, most likely to
+        # be accepted first, with the draft length that helps the step most, if any does.
+        for i in sorted(set(range(len(seqs))) - set(ready), key=lambda i: -alphas[i]):
+            best_k = 0
+            for k in range(1, self.k_max + 1):
+                trial = step.copy()
+                trial.extra_seconds += catch_up[i]
+                for r in range(1, k + 1):
+                    trial.add(r, alphas[i] ** r)
+                if trial.rate() > best_rate:
+                    best_rate, best_k = trial.rate(), k
+            if best_k:
+                step.extra_seconds += catch_up[i]
+                for r in range(1, best_k + 1):
+                    step.add(r, alphas[i] ** r)
+                lengths[i] = best_k
         return lengths
 
     def _catch_up_seconds(self, seq: Sequence) -> float:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,25 @@ from fastdraft.engine.model_runner import ModelRunner, Span, flat_batch
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.speculation import DraftBatch
 from fastdraft.layers.sampler import batched_probs, greedy_ids, sample_from_probs
+
+
+class Proposer(Protocol):
+    """Guesses continuations for a batch of decoding sequences, and keeps whatever per-sequence
+    state that takes in step with what verification kept."""
+
+    def pending_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the proposer must compute before its first draft token (its
+        cost is charged to speculation: the draft's prompt, for a separate draft)."""
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], generators: list[torch.Generator]) -> DraftBatch:
+        """Up to ``num_tokens[i]`` tokens continuing each of ``seqs``; sampled requests draw
+        from their ``generators``."""
+
+    def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        """``seq``'s tokens now hold what verification kept: roll back what the rest invalidated."""
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: free what the proposer holds for it."""
 
 
 class DraftModelProposer:
@@ -111,21 +132,25 @@ class DraftModelProposer:
         the draft was confident of it; sampled distributions go to ``probs_out`` (every row
         gets one when any request samples, so rows stay aligned with tokens)."""
         params = [seq.params for seq in seqs]
-        probs = None
-        if is_sampled:  # [rows, draft_vocab], each row with its request's parameters
-            probs = batched_probs(logits, params)
-            if self.token_ids is None:
-                probs = _match_vocab(probs, self.vocab_size)
+        sampled_rows = [j for j, p in enumerate(params) if not p.is_greedy]
         ids = greedy_ids(logits).tolist()  # [rows]
         confidence = None
         if self.min_confidence > 0:
             confidence = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()  # [rows]
-        for j, p in enumerate(params):
-            if not p.is_greedy:
-                ids[j] = int(sample_from_probs(probs[j], generators[j]))
+        if is_sampled:
+            probs = logits.new_zeros(len(params), logits.shape[-1])  # greedy rows: never read
+            if sampled_rows:  # [num_sampled, draft_vocab], each row with its request's parameters
+                probs[sampled_rows] = batched_probs(logits[sampled_rows], [params[j] for j in sampled_rows])
+            if self.token_ids is None:
+                probs = _match_vocab(probs, self.vocab_size)
+            for j in sampled_rows:
+                # A draft on another device than the target (a CPU draft beside a CUDA one)
+                # draws from its device's default generator: seeded requests do not speculate.
+                generator = generators[j] if generators[j].device == probs.device else None
+                ids[j] = int(sample_from_probs(probs[j], generator))
                 if confidence is not None:
                     confidence[j] = float(probs[j].max())
-            if probs is not None:
+            for j in range(len(params)):
                 probs_out[j].append(probs[j])
         if self.token_ids is not None:
             ids = self.token_ids[ids].tolist()
@@ -224,8 +249,10 @@ class NgramProposer:
         columns = torch.searchsorted(vocab_ids, torch.tensor(flat, dtype=torch.long))
         probs = torch.zeros(len(flat), len(vocab_ids))  # [num_draft_tokens, num_distinct]
         probs[torch.arange(len(flat)), columns] = 1.0
-        device = generators[0].device
-        return DraftBatch(draft_ids, probs.to(device), vocab_ids.to(device))
+        return DraftBatch(draft_ids, probs, vocab_ids)
+
+    def pending_tokens(self, seq: Sequence) -> int:
+        return 0  # an index grows by dictionary updates, with no model to run
 
     def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
         pass  # the index follows the committed tokens at the next lookup

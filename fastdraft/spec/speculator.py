@@ -7,13 +7,13 @@ import torch
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.speculation import DraftBatch
 from fastdraft.spec.draft_length import DraftLengthPolicy
-from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
+from fastdraft.spec.proposer import Proposer
 
 
 class EngineSpeculator:
     """What ``SpeculativeConfig.start`` hands the engine (``engine.speculation.Speculator``)."""
 
-    def __init__(self, proposer: DraftModelProposer | NgramProposer, policy: DraftLengthPolicy) -> None:
+    def __init__(self, proposer: Proposer, policy: DraftLengthPolicy) -> None:
         self.proposer = proposer
         self.policy = policy
         self.num_speculative_tokens = policy.k_max

@@ -18,7 +18,7 @@ from fastdraft.layers.kv_cache import KVCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
-from fastdraft.spec.draft_length import DraftLengthPolicy, PassCost
+from fastdraft.spec.draft_length import FREE, DraftLengthPolicy, PassCost
 from fastdraft.spec.proposer import NgramIndex, NgramProposer, _match_vocab
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2,
@@ -245,6 +245,24 @@ def test_policy_weighs_each_sequences_acceptance_and_the_draft_cost():
     assert fixed.draft_lengths(_seqs(2), 2) == [3, 3]
     with pytest.raises(ValueError):
         DraftLengthPolicy(0, target_cost, target_cost)
+
+
+def test_policy_charges_a_drafts_catch_up_and_asks_a_margin():
+    target_cost = PassCost([(1, 8.0), (8, 8.0), (64, 64.0)])
+    draft_cost = PassCost([(1, 0.5), (64, 32.0)])
+    caught_up, behind = _seqs(2)
+    behind.params = SamplingParams(max_new_tokens=4)  # a long prompt to catch up on, few steps to pay it back
+    pending = {caught_up.seq_id: 1, behind.seq_id: 200}
+    policy = DraftLengthPolicy(4, target_cost, draft_cost, pending_tokens=lambda seq: pending[seq.seq_id])
+    assert policy.draft_lengths([caught_up, behind], 2) == [4, 0]
+    behind.params = SamplingParams(max_new_tokens=4096)  # spread over many steps it pays
+    k_caught_up, k_behind = policy.draft_lengths([caught_up, behind], 2)
+    assert k_caught_up == 4 and k_behind > 0
+    # A gain just under the margin: drafting one token of acceptance 0.04 for free.
+    cheap = DraftLengthPolicy(1, PassCost([(1, 1.0), (64, 1.0)]), FREE, prior=0.04)
+    assert cheap.draft_lengths(_seqs(1), 1) == [0]
+    assert DraftLengthPolicy(1, PassCost([(1, 1.0), (64, 1.0)]), FREE, prior=0.04,
+                             margin=0.0).draft_lengths(_seqs(1), 1) == [1]
 
 
 def test_policy_rate_recovers_toward_the_prior_through_plain_steps():
