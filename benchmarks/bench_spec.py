@@ -3,7 +3,7 @@
 Each case loads its target once and builds two engines over it, one speculating and one not.
 At each concurrency ``c`` the engines take turns (the first mover alternating by round), each
 keeping ``c`` requests in flight until ``--requests-per-slot * c`` requests have finished:
-``--new-tokens`` tokens each, EOS ignored, prompts of ``--prompt-tokens`` tokens cut from a
+``--new-tokens`` tokens each (128 by default), EOS ignored, prompts of ``--prompt-tokens`` tokens cut from a
 held-out stdlib module at different offsets. The figure is generated tokens per second over
 the whole run; the ratio is the median over rounds of the per-round ratio, which cancels the
 drift of memory bandwidth between rounds.
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--cases", default="pair,self,ngram")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="the pair's concurrencies")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per round: this times c")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB per engine")
