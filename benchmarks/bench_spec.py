@@ -22,6 +22,7 @@ Cases:
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per round: this times c")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB per engine")
+    parser.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per engine (32 x 256 tokens: 0.23)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -145,6 +146,7 @@ def main() -> None:
                 compare("pair", plain, spec, prompts, c, greedy, args)
             compare("pair", plain, spec, prompts, 1, sampled, args)
             del plain, spec
+            gc.collect()  # the next engines get the memory back
         if "ngram" in cases:
             plain, spec = engine_pair(target, SpeculativeConfig(draft="ngram"), args)
             edits = edit_prompts(target.tokenizer, 16, args.prompt_tokens)
@@ -152,6 +154,7 @@ def main() -> None:
                 compare("ngram (edit)", plain, spec, edits, c, greedy, args)
             del plain, spec
         del target
+        gc.collect()
     if "self" in cases:
         target = load_model(TARGET, dtype="bf16")
         prompts = code_prompts(target.tokenizer, 64, args.prompt_tokens)

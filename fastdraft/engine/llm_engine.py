@@ -239,8 +239,8 @@ class LLMEngine:
         """Add draft tokens to ``output``'s decoding sequences where the speculator finds it
         pays; the sequences that could have drafted but decode plainly."""
         candidates = [i for i, (seq, num) in enumerate(zip(output.seqs, output.num_scheduled_tokens))
-                      if num == 1 and seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens + 1 == seq.num_tokens
-                      and may_speculate(seq.params)]
+                      if num == 1 and seq.status is SequenceStatus.RUNNING
+                      and seq.num_computed_tokens + 1 == seq.num_tokens and may_speculate(seq.params)]
         if not candidates:
             return []
         seqs = [output.seqs[i] for i in candidates]

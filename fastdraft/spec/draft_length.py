@@ -25,9 +25,9 @@ Two costs are not in a round's curve. A separate draft must first compute the to
 not seen (a new request's whole prompt): that catch-up is charged to the step in which the
 sequence starts drafting, spread over the steps its remaining tokens will take, since drafting
 on later steps reuses it. Such a sequence joins after the others are chosen, with the draft
-length that helps the step most, if any does. And speculation must beat plain decoding by ``margin`` (5%): a choice that only
-breaks even on timed costs loses to the overheads they leave out (building a draft batch,
-sampling it) and to timing noise.
+length that helps the step most, if any does. And speculation must beat plain decoding by
+``margin`` (5%): a choice that only breaks even on timed costs loses to the overheads they
+leave out (building a draft batch, sampling it) and to timing noise.
 """
 
 from __future__ import annotations
