@@ -183,20 +183,21 @@ class Scheduler:
             num_draft = len(output.draft_token_ids.get(seq.seq_id, ()))
             tokens = sampled.get(seq.seq_id, [])
             # The last token and the accepted drafts are computed; rejected ones are not.
-            seq.num_computed_tokens += num - num_draft + max(len(tokens) - 1, 0)
+            num_computed = seq.num_computed_tokens + num - num_draft + max(len(tokens) - 1, 0)
+            reason = None
+            if num_computed >= seq.num_tokens:  # not a prompt chunk: new tokens, appended first
+                for token in tokens:  # so that blocks are keyed by their final tokens
+                    seq.output_token_ids.append(token)
+                    if token in eos_token_ids and not seq.params.ignore_eos:
+                        reason = "stop"
+                    elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                        reason = "length"
+                    if reason is not None:
+                        break
+            # Drafts past an EOS or the length limit were computed but are not tokens.
+            seq.num_computed_tokens = min(num_computed, seq.num_tokens)
             self.block_manager.trim(seq)  # blocks reserved for drafts that were rejected or never came
             self.block_manager.commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk: no token yet
-            reason = None
-            for token in tokens:
-                seq.output_token_ids.append(token)
-                if token in eos_token_ids and not seq.params.ignore_eos:
-                    reason = "stop"
-                elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
-                    reason = "length"
-                if reason is not None:
-                    break
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -99,6 +99,22 @@ def test_stops_at_eos_max_new_tokens_and_stop_strings_as_plain_decoding(target):
     assert plain.finish_reason == "stop" and len(plain.token_ids) < 30
 
 
+def test_prefix_cache_holds_only_verified_keys_and_values(target):
+    """A self-draft writes its guesses into the target's blocks. Were those blocks hashed
+    before verification overwrote them, a later request sharing the prefix would read the
+    draft's keys and values: its logits, and here its tokens, would differ."""
+    config = SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = _engine(target, config, block_size=4)
+    first = _run(engine, [PROMPTS[2]], params)[0]
+    follow_up = first.prompt_token_ids + first.token_ids  # every block of it was written by the draft first
+    hits_before = engine.block_manager.num_prefix_hits
+    got = _run(engine, [follow_up], params)[0]
+    assert engine.block_manager.num_prefix_hits - hits_before >= len(follow_up) - 8
+    assert got.token_ids == _run(_engine(target, block_size=4, enable_prefix_caching=False), [follow_up],
+                                 params)[0].token_ids
+
+
 def test_blocks_return_to_zero_after_aborted_and_preempted_speculative_requests(target, tiny_models):
     draft = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     for kind, loaded_draft in (("self", None), ("model", draft), ("ngram", None)):
