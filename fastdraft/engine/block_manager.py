@@ -140,13 +140,7 @@ class BlockManager:
     def trim(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks past those its computed tokens and its next token need
         (after rejected draft tokens)."""
-        num_kept = self.num_blocks_for(seq.num_computed_tokens + 1)
-        for block_id in reversed(seq.block_table[num_kept:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-        del seq.block_table[num_kept:]
+        self._release_from(seq, self.num_blocks_for(seq.num_computed_tokens + 1))
 
     def commit(self, seq: Sequence) -> None:
         """Key ``seq``'s full, computed blocks for prefix caching (after a forward pass)."""
@@ -169,13 +163,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Its last blocks go to the pool first, so they are evicted
         before the prefix blocks that other requests are likelier to share."""
-        for block_id in reversed(seq.block_table):
+        self._release_from(seq, 0)
+
+    def _release_from(self, seq: Sequence, num_kept: int) -> None:
+        """Let go of ``seq``'s blocks after its first ``num_kept``, last first."""
+        for block_id in reversed(seq.block_table[num_kept:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-        seq.block_table = []
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """The cache slot (block id * block_size + offset) of ``seq``'s token at ``position``."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        del seq.block_table[num_kept:]

@@ -47,14 +47,22 @@ class GenerationMetrics:
 class SpecMetrics:
     """Acceptance statistics of speculative decoding."""
 
-    num_steps: int = 0  # verification passes
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
-    num_plain_steps: int = 0  # steps decoded without speculation (k = 0)
     accepted_per_position: list[int] = field(default_factory=list)  # [k_max] times position i was accepted
     proposed_per_position: list[int] = field(default_factory=list)
     steps_per_draft_length: list[int] = field(default_factory=list)  # [k_max + 1] steps that chose k
+
+    @property
+    def num_steps(self) -> int:
+        """Steps with drafts (verification passes)."""
+        return sum(self.steps_per_draft_length[1:])
+
+    @property
+    def num_plain_steps(self) -> int:
+        """Steps decoded without speculation (k = 0)."""
+        return self.steps_per_draft_length[0] if self.steps_per_draft_length else 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -76,9 +84,7 @@ class SpecMetrics:
             self.steps_per_draft_length.append(0)
         self.steps_per_draft_length[num_draft] += 1
         if not num_draft:
-            self.num_plain_steps += 1
             return
-        self.num_steps += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.num_emitted_tokens += num_emitted
@@ -94,9 +100,8 @@ class SpecMetrics:
             self.accepted_per_position.append(0)
 
     def merge(self, other: "SpecMetrics") -> None:
-        """Add ``other``'s counts and times to these (e.g. totals over several requests)."""
-        for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-                     "num_plain_steps"):
+        """Add ``other``'s counts to these (e.g. totals over several requests)."""
+        for name in ("num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         while len(self.steps_per_draft_length) < len(other.steps_per_draft_length):
             self.steps_per_draft_length.append(0)

@@ -4,8 +4,8 @@ A decode step is a few weight-bound matmuls per layer plus ~15 small ops; run fr
 those small ops cost about as much as the elementwise work itself. :class:`FusedDecoder` runs
 all decoder layers in ``csrc/decoder_x86.cpp``, which chains the very kernels the module path
 calls, in the same order and dtypes: for a flat batch of sequences over a paged cache (the
-serving engine's step), and for a few tokens appended to one contiguous cache (the
-single-sequence speculative loop). The paths give bit-identical results (tested); the module
+serving engine's step), and for a few tokens appended to one contiguous cache (the decode
+timing of the quantization search). The paths give bit-identical results (tested); the module
 path in ``llama.py`` is the reference twin and serves hooks and CUDA.
 """
 

@@ -11,8 +11,10 @@ import hashlib
 import random
 
 import pytest
+import torch
 
 from fastdraft.engine.block_manager import BlockManager, block_hash
+from fastdraft.engine.model_runner import Span, flat_batch
 from fastdraft.engine.scheduler import Scheduler, SchedulerConfig
 from fastdraft.engine.sequence import Sequence, SequenceStatus
 from fastdraft.sampling_params import SamplingParams
@@ -84,7 +86,8 @@ def test_allocate_and_free_return_every_block():
     bm.allocate(seq, 10)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
     assert len(set(seq.block_table)) == 3
-    assert bm.slot(seq, 5) == seq.block_table[1] * 4 + 1
+    _, meta = flat_batch([Span([0], 5, seq.block_table)], bm.block_size, torch.device("cpu"))
+    assert meta.slot_mapping.tolist() == [seq.block_table[1] * 4 + 1]  # position 5: block 1, offset 1
     bm.free(seq)
     assert bm.num_free_blocks == 8 and seq.block_table == []
 
