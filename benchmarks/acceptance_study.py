@@ -22,7 +22,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
-from fastdraft.quant.data import EVAL_CODE_FILES, calibration_samples, stdlib_root
+from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig, prepare_draft
@@ -67,7 +67,7 @@ def main() -> None:
     is_greedy = args.temperature == 0
     target = load_model(args.target, dtype="bf16", load_in_low_bit="sym_int4")  # as bench_spec.py's target
     tokenizer = target.tokenizer
-    files = EVAL_CODE_FILES[:args.seeds] if is_greedy else EVAL_CODE_FILES[:1] * args.seeds
+    files = SELECTION_CODE_FILES[:args.seeds] if is_greedy else SELECTION_CODE_FILES[:1] * args.seeds
     prompts = [tokenizer.encode((stdlib_root() / f).read_text(encoding="utf-8"), add_special_tokens=False)
                [:args.prompt_tokens] for f in files]
     generator = TextGenerator(target, max_seq_len=args.prompt_tokens + args.new_tokens + 8)

@@ -32,7 +32,7 @@ from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.metrics import SpecMetrics
 from fastdraft.quant.config import QuantConfig
-from fastdraft.quant.data import EVAL_CODE_FILES, stdlib_root
+from fastdraft.quant.data import SELECTION_CODE_FILES, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
@@ -42,7 +42,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 def code_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]]:
     """``num_prompts`` windows of ``num_tokens`` tokens of a held-out stdlib module."""
-    text = (stdlib_root() / EVAL_CODE_FILES[0]).read_text(encoding="utf-8")
+    text = (stdlib_root() / SELECTION_CODE_FILES[0]).read_text(encoding="utf-8")
     ids = tokenizer.encode(text, add_special_tokens=False)
     step = max((len(ids) - num_tokens) // max(num_prompts, 1), 1)
     return [ids[i * step:i * step + num_tokens] for i in range(num_prompts)]

@@ -1,6 +1,6 @@
 """Weight-only INT4 quantization from Python: quantize with GPTQ, save an atomic checkpoint,
 load it back and measure perplexity, KL and top-1 agreement against the unquantized model
-on held-out CPython sources.
+on the held-out test set (CPython sources and public-domain prose).
 
     python examples/quantize_and_evaluate.py --model qwen2.5-coder-0.5b-instruct \
         --quant method=gptq,group_size=128 --output /tmp/qwen-0.5b-gptq
@@ -14,7 +14,7 @@ from fastdraft import load_model
 from fastdraft.fileio import check_output_path
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import parse_quant_spec
-from fastdraft.quant.data import calibration_samples, evaluation_texts
+from fastdraft.quant.data import TEST, calibration_samples
 from fastdraft.quant.evaluate import EvalWindows, evaluate, format_table, score_reference
 from fastdraft.quant.quantizer import quantize_model
 
@@ -44,7 +44,7 @@ def main() -> None:
 
     reloaded = load_model(args.output, dtype="bf16")
     seq_len = min(args.seq_len, reference.config.max_position_embeddings)
-    windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
+    windows = EvalWindows.for_set(reference.tokenizer, TEST, seq_len=seq_len)
     reference_scores = score_reference(reference.model, windows)
     result = evaluate(reloaded.model, windows, reference_scores, label=config.label)
     print(format_table([reference_scores.result, result]))

@@ -105,23 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--model", default=DEFAULT_MODEL)
     quant.add_argument("--output", help="folder for the quantized checkpoint (written atomically)")
     quant.add_argument("--quant", default="method=rtn", help="key=value,... or a JSON file (ignored with --auto)")
-    quant.add_argument("--auto", action="store_true", help="search methods x group sizes x zero-point schemes")
+    quant.add_argument("--auto", action="store_true",
+                       help="walk INT4 group sizes, INT8 linears, INT6, a bf16 head and the GGUF blocks, cheapest "
+                            "first; keep the first within --max-loss on the selection set, report it on the test set")
     quant.add_argument("--max-loss", type=_fraction, default=0.01, help="max perplexity loss, e.g. 1%% or 0.01")
-    quant.add_argument("--methods", default="rtn,gptq,awq")
-    quant.add_argument("--group-sizes", default="32,128", help="comma list; -1 = per channel")
-    quant.add_argument("--sym", default="sym,asym,asymf",
-                       help="zero-point schemes to try: sym, asym (integer zeros), asymf (float zeros)")
-    quant.add_argument("--mixed", default="no", choices=["no", "yes", "both"],
-                       help="Q4_K_M-style INT8 for sensitive v_proj/down_proj layers")
-    quant.add_argument("--int8-linears", default="none",
-                       help="with --auto: comma list of sets of linears kept at INT8 in every layer, "
-                            "each joined with '+' (e.g. 'none,v_proj+o_proj')")
-    quant.add_argument("--int8-sets", type=int, default=0, metavar="N",
-                       help="with --auto: rank the kinds of linears by the accuracy INT8 buys per byte (a quick "
-                            "RTN pass) and also try the nested sets of the top 1..N")
+    quant.add_argument("--methods", default="rtn,gptq", help="with --auto: INT4 methods tried at each group size")
+    quant.add_argument("--group-sizes", default="128,64,32", help="with --auto: comma list, walked largest first; "
+                                                                   "-1 = per channel")
+    quant.add_argument("--scheme", default="asymf", choices=["sym", "asym", "asymf"],
+                       help="with --auto: INT4 zero points: symmetric, integer zeros, or float zeros")
+    quant.add_argument("--int8-sets", type=int, default=3, metavar="N",
+                       help="with --auto: rank the kinds of linears by the accuracy INT8 buys per byte and try "
+                            "the nested sets of the top 1..N (0: skip)")
     quant.add_argument("--candidates", default="",
-                       help="with --auto: explicit configs separated by ';' instead of the grid; each "
-                            "keeps its own calibration settings (default 64 windows x 512 tokens)")
+                       help="with --auto: explicit configs separated by ';' instead of the walk's steps, tried in "
+                            "order of bytes; each keeps its own calibration settings (default 64 windows x 512)")
     quant.add_argument("--num-calib-samples", type=int, default=32,
                        help="with --auto: calibration windows for the grid's GPTQ/AWQ configs")
     quant.add_argument("--damp-percent", type=float, default=0.1,
@@ -138,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ev.add_argument("--seq-len", type=_positive_int, default=512)
     ev.add_argument("--text", action="append", metavar="FILE",
-                    help="score this UTF-8 text file, whole, instead of the built-in texts (repeatable)")
+                    help="score this UTF-8 text file, whole, instead of the built-in test set (repeatable)")
     ev.add_argument("--text-dir", action="append", metavar="DIR",
                     help="score every file under this folder (repeatable)")
     ev.add_argument("--json", help="also write the results as JSON here")
@@ -160,16 +158,6 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise CLIError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-
-
-def _linear_sets(text: str) -> tuple[tuple[str, ...], ...]:
-    """``"none,v_proj+o_proj"`` -> ``((), ("v_proj", "o_proj"))``; names are checked by QuantConfig."""
-    from fastdraft.quant.config import split_plus_list
-
-    sets = tuple(() if item.strip() == "none" else split_plus_list(item) for item in text.split(",") if item.strip())
-    if not sets:
-        raise CLIError(f"--int8-linears needs at least one set (or 'none'), got {text!r}")
-    return sets
 
 
 def _cmd_pull(args: argparse.Namespace) -> None:
@@ -278,17 +266,12 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         check_output_path(args.output, is_dir=True)
     if args.auto:
         from fastdraft.engine.timing import GreedyDecodeTimer
-        from fastdraft.quant.auto import SCHEMES, AutoSearchSpace, auto_quantize, write_report
+        from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
 
-        schemes = tuple(s.strip() for s in args.sym.split(",") if s.strip())
-        if not schemes or not set(schemes) <= set(SCHEMES):
-            raise CLIError(f"--sym takes a comma list of {', '.join(SCHEMES)}; got {args.sym!r}")
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-                                group_sizes=_int_list(args.group_sizes, "--group-sizes"), schemes=schemes,
-                                sensitive_bits={"no": (4,), "yes": (8,), "both": (4, 8)}[args.mixed],
-                                int8_linears=_linear_sets(args.int8_linears), num_int8_sets=args.int8_sets,
-                                max_loss=args.max_loss, num_calib_samples=args.num_calib_samples,
-                                damp_percent=args.damp_percent,
+                                group_sizes=_int_list(args.group_sizes, "--group-sizes"), scheme=args.scheme,
+                                num_int8_sets=args.int8_sets, max_loss=args.max_loss,
+                                num_calib_samples=args.num_calib_samples, damp_percent=args.damp_percent,
                                 calib_seq_len=args.calib_seq_len,
                                 candidates=tuple(c.strip() for c in args.candidates.split(";") if c.strip()))
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
@@ -296,6 +279,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
             check_output_path(report_dir, is_dir=True)
         loaded = load_model(args.model, dtype=args.dtype)
         timer = GreedyDecodeTimer.for_code(loaded.tokenizer, space.num_decode_tokens)
+        logging.getLogger("fastdraft.quant.auto").setLevel(logging.INFO)  # a line per candidate, as it is tried
         result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
                                            gguf_path=_gguf_or_none(args.model))
         print(write_report(result, space, report_dir))
@@ -348,9 +332,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     from fastdraft.fileio import check_output_path, write_json
     from fastdraft.models.loader import resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
-    from fastdraft.quant.data import evaluation_texts, read_text_files
-    from fastdraft.quant.evaluate import (EvalWindows, compare, evaluate, format_table, format_text_table,
-                                          score_reference)
+    from fastdraft.quant.data import TEST, read_text_files
+    from fastdraft.quant.evaluate import EvalWindows, compare, evaluate, format_table, format_text_table
 
     # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
     config = parse_quant_spec(args.quant) if args.quant and not args.checkpoint else None
@@ -375,7 +358,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         except ValueError as err:
             raise ValueError(f"{err} (lower --seq-len)") from None
     else:
-        windows = EvalWindows.build(reference.tokenizer, evaluation_texts(), seq_len=seq_len)
+        windows = EvalWindows.for_set(reference.tokenizer, TEST, seq_len=seq_len)
 
     candidate, label = None, None
     if args.checkpoint:
@@ -383,18 +366,11 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     elif config is not None:
         candidate, label = _quantized(args.model, config, args.dtype), config.label
 
-    if user_texts is not None:
-        if candidate is None:
-            results = [evaluate(reference.model, windows, label="reference")]
-        else:
-            results = list(compare(reference.model, candidate.model, windows, label=label))
-        print(format_text_table(results[-1]))
-    else:
-        ref_scores = score_reference(reference.model, windows)
-        results = [ref_scores.result]
-        if candidate is not None:
-            results.append(evaluate(candidate.model, windows, ref_scores, label=label))
-        print(format_table(results))
+    if candidate is None:
+        results = [evaluate(reference.model, windows, label="reference")]
+    else:  # side by side, window by window: the full-vocabulary KL, in bounded memory
+        results = list(compare(reference.model, candidate.model, windows, label=label))
+    print(format_text_table(results[-1]) if user_texts is not None else format_table(results))
     if args.json:
         write_json(args.json, [r.to_dict() for r in results])
 

@@ -66,6 +66,13 @@ class WeightFormat(NamedTuple):
     sym: bool
     float_zeros: bool = False
 
+    def num_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of the canonical tensors of an ``[out_features, in_features]`` weight: codes,
+        float16 scales and, when asymmetric, zero points (uint8, or float16 when fractional)."""
+        num_groups = in_features // resolve_group_size(self.group_size, in_features)
+        zero_bytes = 0 if self.sym else (2 if self.float_zeros else 1)
+        return out_features * (in_features * self.bits // 8 + num_groups * (2 + zero_bytes))
+
 
 def resolve_group_size(group_size: int, in_features: int) -> int:
     """The effective group size for a layer, with a clear error when it does not fit."""

@@ -171,5 +171,5 @@ def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_p
                    "cannot write")
     _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--report-dir", str(blocker / "r")],
                    "cannot write")
-    _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--int8-linears", "none,v_proj+w_proj"],
+    _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--candidates", "method=rtn;int8_linears=w_proj"],
                    "unknown decoder linear")

@@ -1,126 +1,140 @@
-"""The automatic quantization flow: try configurations, keep the fastest accurate one.
+"""The automatic quantization flow: a directed walk, chosen on one text set, reported on another.
 
-Every candidate is quantized from the same dense model, evaluated against it on held-out
-text (perplexity, KL, top-1 agreement) and timed on a short greedy decode. The winner is the
-candidate with the lowest decode latency whose perplexity loss is within ``max_loss``. On a
-shared machine one timing can be off by 2x, so the candidates within the target (the fastest
-``max_finalists``) and the reference are timed again at the end, taking turns, and ranked by
-the median of those rounds.
-A report (markdown table, JSON, and a PNG of accuracy against speed and size) is written
-whether or not any candidate meets the target.
+The walk visits candidates from the fewest weight bytes to the most, one direction at a time
+instead of the full product of the options:
+
+1. INT4 at each group size, largest groups first, with each of ``methods``;
+2. INT8 for the kinds of linear the sensitivity ranking names, one nested set at a time, on the
+   best INT4 candidate of the smallest group;
+3. INT6 linears, INT6 with a bf16 head, and the GGUF file's own blocks, in order of bytes.
+
+Every candidate is quantized from the same dense model, scored against it on the **selection**
+set and timed on a short greedy decode. The walk stops at the first candidate whose selection
+loss interval lies within the target (its upper end at most ``max_loss``): each later candidate
+reads more bytes per token, so it decodes no faster. The choice is then scored once on the
+**test** set, and that figure is the one reported, pass or miss; the test set never steers the
+walk. A report (markdown, JSON and a PNG) is written whether or not any candidate meets the target.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from fastdraft.fileio import atomic_write, write_json
+from fastdraft.formats import PER_CHANNEL
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import GGUF_METHOD, LAYER_LINEARS, QuantConfig, parse_quant_spec
-from fastdraft.quant.data import calibration_samples, evaluation_texts
-from fastdraft.quant.evaluate import EvalResult, EvalWindows, evaluate, score_reference
+from fastdraft.quant.config import LAYER_LINEARS, METHODS, QuantConfig, parse_quant_spec
+from fastdraft.quant.data import SELECTION, TEST, TextSet, calibration_samples
+from fastdraft.quant.evaluate import (CONFIDENCE, EvalResult, EvalWindows, compare, evaluate, format_interval,
+                                      score_reference)
 from fastdraft.quant.gguf_native import apply_gguf_native
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.quant.sensitivity import Int8Gain, nested_int8_sets, rank_int8_linears
 
 logger = logging.getLogger(__name__)
 
-
 SCHEMES = ("sym", "asym", "asymf")
 
 
 @dataclass
 class AutoSearchSpace:
-    """The grid the automatic flow tries, and the accuracy target."""
+    """The directions the walk takes, and the accuracy target."""
 
-    methods: tuple[str, ...] = ("rtn", "gptq", "awq")
-    group_sizes: tuple[int, ...] = (32, 128)
-    # Zero-point schemes: "sym" (constant 8), "asym" (integer zero points, GPTQ/AWQ style),
-    # "asymf" (float16 zero points, Q4_1/Q4_K style).
-    schemes: tuple[str, ...] = ("sym", "asym", "asymf")
-    sensitive_bits: tuple[int, ...] = (4,)  # add 8 to also try Q4_K_M-style INT8 exceptions
-    # Sets of decoder linears kept at INT8 in every layer (QuantConfig.int8_linears); () = none.
-    int8_linears: tuple[tuple[str, ...], ...] = ((),)
-    # N > 0: rank the kinds of linears by the KL their INT8 copy saves per byte (quant/sensitivity.py,
-    # an RTN pass on the grid's first group size and scheme) and also try the nested sets of the top 1..N.
-    num_int8_sets: int = 0
+    methods: tuple[str, ...] = ("rtn", "gptq")  # tried in this order at each INT4 group size
+    group_sizes: tuple[int, ...] = (128, 64, 32)  # walked largest first (-1: per channel)
+    # The INT4 zero-point scheme: "sym" (constant 8), "asym" (integer zero points, GPTQ/AWQ
+    # style) or "asymf" (float16 zero points, Q4_1/Q4_K style).
+    scheme: str = "asymf"
+    # Nested sets of the top N kinds of linear kept at INT8, ranked by the KL their INT8 copy
+    # saves per byte (quant/sensitivity.py) on the first windows of the selection set.
+    num_int8_sets: int = 3
+    num_ranking_windows: int = 4  # per domain
+    include_int6: bool = True  # INT6 linears, then INT6 with a bf16 head
+    include_gguf: bool = True  # the GGUF file's own blocks, when the model comes from one
     max_loss: float = 0.01  # relative perplexity increase allowed (0.01 = 1%)
     lm_head_bits: int = 8
     num_calib_samples: int = 32
     calib_seq_len: int = 512
-    # GPTQ's dampening in the grid: 0.1 beat the usual 0.01 on both Qwen2.5-Coder models
-    # (+10.54% vs +12.82% at g128 asymf on the 1.5B, +2.27% vs +2.50% at g32 on the 0.5B).
+    # GPTQ's dampening: 0.1 beat the usual 0.01 on both Qwen2.5-Coder models.
     damp_percent: float = 0.1
     num_decode_tokens: int = 32
-    num_timing_rounds: int = 5  # interleaved re-timing of the finalists and the reference
-    max_finalists: int = 4  # candidates within target kept in memory for the re-timing
+    num_timing_rounds: int = 5  # interleaved re-timing of the choice and the reference
     eval_seq_len: int = 512
-    # Explicit candidates (e.g. "method=rtn,group_size=32,sym=false"); when given they replace the grid.
+    # Explicit candidates (e.g. "method=rtn,group_size=32,sym=false"); when given they replace
+    # the walk's steps and are visited in order of bytes.
     candidates: tuple[str, ...] = ()
-    # Also try the GGUF file's own blocks when the model comes from one.
-    include_gguf: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.methods and self.group_sizes and self.schemes and self.sensitive_bits and self.int8_linears):
+        if not (self.methods and self.group_sizes):
             raise ValueError("the search space is empty")
-        unknown = set(self.schemes) - set(SCHEMES)
+        unknown = set(self.methods) - set(METHODS)
         if unknown:
-            raise ValueError(f"unknown zero-point schemes {sorted(unknown)}; choose from {', '.join(SCHEMES)}")
-        if self.num_decode_tokens < 1 or self.num_timing_rounds < 0 or self.max_finalists < 1:
-            raise ValueError("num_decode_tokens and max_finalists must be >= 1, num_timing_rounds >= 0")
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown zero-point scheme {self.scheme!r}; choose from {', '.join(SCHEMES)}")
+        if self.num_decode_tokens < 1 or self.num_timing_rounds < 0 or self.num_ranking_windows < 1:
+            raise ValueError("num_decode_tokens and num_ranking_windows must be >= 1, num_timing_rounds >= 0")
         if not 0.0 < self.max_loss < 1.0:
             raise ValueError(f"max_loss must be in (0, 1), got {self.max_loss}")
         if not 0 <= self.num_int8_sets <= len(LAYER_LINEARS):
             raise ValueError(f"num_int8_sets must be in [0, {len(LAYER_LINEARS)}], got {self.num_int8_sets}")
-        if self.num_int8_sets and self.candidates:
-            raise ValueError("num_int8_sets extends the grid; explicit candidates replace it")
-        self.configs()  # validates every combination up front
+        # Building every INT4 candidate (and parsing every explicit one) validates it up front.
+        self.explicit_configs() or [self.int4(m, g) for m in self.methods for g in self.group_sizes]
 
-    def configs(self, extra_int8_sets: tuple[tuple[str, ...], ...] = ()) -> list[QuantConfig]:
-        """The candidates: the explicit list, or the grid (with ``extra_int8_sets`` added to its INT8 sets)."""
-        if self.candidates:
+    def explicit_configs(self) -> list[QuantConfig]:
+        return [parse_quant_spec(c) for c in self.candidates]
 
-            return [parse_quant_spec(c) for c in self.candidates]
-        configs = [QuantConfig(method=m, bits=4, group_size=g, sym=s == "sym", float_zeros=s == "asymf",
-                               lm_head_bits=self.lm_head_bits, sensitive_bits=sb, int8_linears=i8,
-                               damp_percent=self.damp_percent if m == "gptq" else QuantConfig.damp_percent,
-                               num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
-                   for m, g, s, sb, i8 in itertools.product(self.methods, self.group_sizes, self.schemes,
-                                                            self.sensitive_bits, self.int8_linears + extra_int8_sets)]
-        return list({c.label: c for c in configs}.values())  # a set listed twice is tried once
+    def ordered_group_sizes(self) -> list[int]:
+        """Largest groups (fewest bytes) first; per channel is the largest of all."""
+        return sorted(set(self.group_sizes), key=lambda g: float("inf") if g == PER_CHANNEL else g, reverse=True)
 
-    def sensitivity_base(self) -> QuantConfig:
-        """The RTN config the INT8 ranking starts from: the grid's first group size and scheme."""
-        first = self.configs()[0]
-        return QuantConfig(method="rtn", group_size=first.group_size, sym=first.sym, float_zeros=first.float_zeros,
-                           lm_head_bits=first.lm_head_bits, sensitive_bits=first.sensitive_bits)
+    def int4(self, method: str, group_size: int, int8_linears: tuple[str, ...] = ()) -> QuantConfig:
+        return QuantConfig(method=method, bits=4, group_size=group_size, sym=self.scheme == "sym",
+                           float_zeros=self.scheme == "asymf", lm_head_bits=self.lm_head_bits,
+                           int8_linears=int8_linears,
+                           damp_percent=self.damp_percent if method == "gptq" else QuantConfig.damp_percent,
+                           num_calib_samples=self.num_calib_samples, calib_seq_len=self.calib_seq_len)
+
+    def int6(self, lm_head_bits: int) -> QuantConfig:
+        """INT6 linears at the smallest group size the walk tries."""
+        return QuantConfig(method="rtn", bits=6, group_size=self.ordered_group_sizes()[-1], sym=True,
+                           lm_head_bits=lm_head_bits)
 
 
 @dataclass
 class Candidate:
     config: QuantConfig
-    eval: EvalResult
+    step: str  # which direction of the walk proposed it
+    eval: EvalResult  # on the selection set
     decode_ms: float
     weight_bytes: int
-    is_within_target: bool = False
+    seconds: float  # wall time to build, quantize, score and time it
+    is_within_target: bool = False  # the upper end of the selection interval is within max_loss
     is_retimed: bool = False  # decode_ms is the median of the interleaved final rounds
 
 
 @dataclass
 class AutoResult:
-    reference: EvalResult
+    reference: EvalResult  # on the selection set
     reference_decode_ms: float
     reference_weight_bytes: int
     candidates: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
-    int8_gains: list[Int8Gain] = field(default_factory=list)  # with num_int8_sets: the ranking measured
+    int8_gains: list[Int8Gain] = field(default_factory=list)  # the ranking, when the walk reached it
+    test: EvalResult | None = None  # the choice on the test set, scored once
+    max_loss: float = 0.01
+
+    @property
+    def is_test_passed(self) -> bool:
+        """The choice's test-set loss is within the target in every domain."""
+        return self.test is not None and all(loss <= self.max_loss for loss in self.test.ppl_loss_per_domain.values())
 
 
 class DecodeTimer(Protocol):
@@ -134,111 +148,216 @@ class DecodeTimer(Protocol):
         """Each model's median latency (ms) over rounds in which the models take turns."""
 
 
-def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, show_progress: bool = True,
-                  report_dir: Path | None = None,
-                  gguf_path: Path | None = None) -> tuple[AutoResult, LlamaForCausalLM | None]:
-    """Run the search; returns the result and the winning quantized model (or None).
+def estimate_weight_bytes(reference: LlamaForCausalLM, config: QuantConfig) -> int:
+    """Decode weight bytes of ``reference`` once quantized by ``config``, without quantizing it:
+    what orders the walk."""
+    total = reference.decode_weight_bytes()
+    layers = reference.model.layers
 
-    ``timer`` times each candidate's decoding (``space.num_decode_tokens`` is what the CLI's
-    timer decodes).
+    def swap(linear, fmt) -> int:
+        if fmt is None:
+            return 0
+        return fmt.num_bytes(linear.out_features, linear.in_features) - \
+            linear.weight.numel() * linear.weight.element_size()
 
-    With ``report_dir`` the report is rewritten after every candidate, so an interrupted
-    search keeps what it measured. With ``gguf_path``, the GGUF file the model was converted
-    from, the file's own quantized blocks are one more candidate (``method=gguf``)."""
-    reference = loaded.model
-    tokenizer = loaded.tokenizer
-    seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
-    windows = EvalWindows.build(tokenizer, evaluation_texts(), seq_len=seq_len)
-    ref_scores = score_reference(reference, windows, show_progress)
-    ref_eval = ref_scores.result
-    result = AutoResult(reference=ref_eval, reference_decode_ms=timer.time(reference),
-                        reference_weight_bytes=reference.decode_weight_bytes())
-    calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each config's own calibration set, drawn once
-    state = load_state_dict(loaded.model_dir)
-    finalists: list[tuple[Candidate, LlamaForCausalLM]] = []  # within target, fastest first
-    extra_sets: tuple[tuple[str, ...], ...] = ()
-    if space.num_int8_sets:
-        result.int8_gains = rank_int8_linears(loaded, state, windows, ref_scores, space.sensitivity_base(),
-                                              show_progress)
-        extra_sets = nested_int8_sets(result.int8_gains, space.num_int8_sets)
-        logger.info("INT8 sets to try: %s", extra_sets)
-    configs = space.configs(extra_sets)
-    if gguf_path is not None and space.include_gguf and not any(c.is_gguf_native for c in configs):
-        configs.append(QuantConfig(method=GGUF_METHOD))
-    for config in configs:
-        model = build_model(loaded.config, state, reference.dtype, reference.device)
+    for idx, layer in enumerate(layers):
+        for name in LAYER_LINEARS:
+            total += swap(layer.get_submodule(name), config.layer_format(idx, len(layers), name))
+    return total + swap(reference.lm_head, config.head_format())
+
+
+def walk_step(config: QuantConfig) -> str:
+    """Which direction of the walk ``config`` belongs to."""
+    if config.is_gguf_native:
+        return "GGUF blocks"
+    if config.bits == 6:
+        return "bf16 head" if config.lm_head_bits == 16 else "INT6 linears"
+    return "INT8 linears" if config.int8_linears else "INT4 group size"
+
+
+class _Walk:
+    """One search: the reference's selection scores, and each candidate tried against them."""
+
+    def __init__(self, loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, windows: EvalWindows,
+                 show_progress: bool, report_dir: Path | None, gguf_path: Path | None) -> None:
+        self.loaded, self.space, self.timer, self.windows = loaded, space, timer, windows
+        self.show_progress, self.report_dir, self.gguf_path = show_progress, report_dir, gguf_path
+        self.reference = loaded.model
+        self.ref_scores = score_reference(self.reference, windows, show_progress)
+        self.result = AutoResult(reference=self.ref_scores.result, reference_decode_ms=timer.time(self.reference),
+                                 reference_weight_bytes=self.reference.decode_weight_bytes(), max_loss=space.max_loss)
+        self.state = load_state_dict(loaded.model_dir)
+        self.calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each calibration set, drawn once
+
+    def build(self, config: QuantConfig) -> LlamaForCausalLM:
+        model = build_model(self.loaded.config, self.state, self.reference.dtype, self.reference.device)
         if config.is_gguf_native:
-            if gguf_path is None:
+            if self.gguf_path is None:
                 raise ValueError("method=gguf needs the model's GGUF file")
-            config = apply_gguf_native(model, gguf_path)
+            apply_gguf_native(model, self.gguf_path)
+            return model
         samples = None
         if config.needs_calibration:
             key = (config.num_calib_samples, config.calib_seq_len, config.seed)
-            if key not in calib:
-                calib[key] = calibration_samples(tokenizer, *key)
-            samples = calib[key]
-        if not config.is_gguf_native:
-            quantize_model(model, config, samples, show_progress)
-        ev = evaluate(model, windows, ref_scores, label=config.label, show_progress=show_progress)
-        cand = Candidate(config, ev, timer.time(model), model.decode_weight_bytes())
-        cand.is_within_target = ev.ppl_loss <= space.max_loss
-        result.candidates.append(cand)
-        logger.info("%s: ppl loss %+.2f%%, decode %.1f ms", config.label, ev.ppl_loss * 100, cand.decode_ms)
-        if cand.is_within_target:
-            finalists.append((cand, model))
-            finalists.sort(key=lambda f: f[0].decode_ms)
-            del finalists[space.max_finalists:]
-            result.best = finalists[0][0]
-        del model
-        if report_dir is not None:
-            write_report(result, space, report_dir)
-    if finalists and space.num_timing_rounds > 0:
-        logger.info("timing %d finalists and the reference, %d interleaved rounds", len(finalists),
-                    space.num_timing_rounds)
-        times = timer.time_interleaved([reference] + [m for _, m in finalists], space.num_timing_rounds)
-        result.reference_decode_ms = times[0]
-        for (cand, _), ms in zip(finalists, times[1:]):
-            cand.decode_ms, cand.is_retimed = ms, True
-        finalists.sort(key=lambda f: f[0].decode_ms)
-        result.best = finalists[0][0]
-        if report_dir is not None:
-            write_report(result, space, report_dir)
-    return result, (finalists[0][1] if finalists else None)
+            if key not in self.calib:
+                self.calib[key] = calibration_samples(self.loaded.tokenizer, *key)
+            samples = self.calib[key]
+        return quantize_model(model, config, samples, self.show_progress)
+
+    def try_config(self, config: QuantConfig, step: str) -> tuple[Candidate, LlamaForCausalLM]:
+        start = time.perf_counter()
+        model = self.build(config)
+        config = model.quant_config  # a GGUF candidate's config records the file's formats
+        ev = evaluate(model, self.windows, self.ref_scores, label=config.label, show_progress=self.show_progress)
+        cand = Candidate(config, step, ev, self.timer.time(model), model.decode_weight_bytes(),
+                         time.perf_counter() - start)
+        cand.is_within_target = ev.loss_interval[1] <= self.space.max_loss
+        self.result.candidates.append(cand)
+        logger.info("%s (%s): selection loss %+.2f%% %s, %.0f MB, decode %.1f ms/token, %.0f s%s", config.label, step,
+                    ev.ppl_loss * 100, format_interval(ev.loss_interval), cand.weight_bytes / 1e6, cand.decode_ms,
+                    cand.seconds, ", within target" if cand.is_within_target else "")
+        if self.report_dir is not None:
+            write_report(self.result, self.space, self.report_dir)
+        return cand, model
+
+    def first_within(self, configs: list[QuantConfig], step: str | None = None
+                     ) -> tuple[Candidate, LlamaForCausalLM] | None:
+        """Try ``configs`` in order; the first within the target, with its model."""
+        for config in configs:
+            cand, model = self.try_config(config, step or walk_step(config))
+            if cand.is_within_target:
+                return cand, model
+            del model
+        return None
+
+    def by_bytes(self, configs: list[QuantConfig]) -> list[QuantConfig]:
+        # A GGUF candidate's bytes depend on the file's formats, read once here.
+        configs = [self.gguf_config() if c.is_gguf_native and not c.tensor_formats else c for c in configs]
+        return sorted(configs, key=lambda c: estimate_weight_bytes(self.reference, c))
+
+    def gguf_config(self) -> QuantConfig:
+        """The GGUF candidate with its tensor formats, read from the file."""
+        return self.build(QuantConfig(method="gguf")).quant_config
+
+    def run(self) -> tuple[Candidate, LlamaForCausalLM] | None:
+        space = self.space
+        if space.candidates:
+            return self.first_within(self.by_bytes(space.explicit_configs()), "explicit")
+        smallest_group: list[Candidate] = []
+        for group_size in space.ordered_group_sizes():
+            found = self.first_within([space.int4(m, group_size) for m in space.methods])
+            if found:
+                return found
+            smallest_group = self.result.candidates[-len(space.methods):]
+        # The dearer directions, visited together in order of bytes: nested INT8 sets grow
+        # with each kind added, and a large set can cost more than INT6 everywhere.
+        dearer: list[QuantConfig] = []
+        if space.num_int8_sets:
+            base = min(smallest_group, key=lambda c: c.eval.ppl_loss).config
+            dearer += [replace(base, int8_linears=s) for s in self.int8_sets(base)]
+        if space.include_int6:
+            dearer += [space.int6(8), space.int6(16)]
+        if space.include_gguf and self.gguf_path is not None:
+            dearer.append(QuantConfig(method="gguf"))
+        return self.first_within(self.by_bytes(dearer))
+
+    def int8_sets(self, base: QuantConfig) -> tuple[tuple[str, ...], ...]:
+        """Nested sets of the kinds of linear whose INT8 copy saves the most KL per byte, ranked
+        with RTN at ``base``'s group size on the first selection windows."""
+        ranking = self.windows.head(self.space.num_ranking_windows)
+        self.result.int8_gains = rank_int8_linears(
+            self.loaded, self.state, ranking, score_reference(self.reference, ranking, show_progress=False),
+            QuantConfig(method="rtn", group_size=base.group_size, sym=base.sym, float_zeros=base.float_zeros,
+                        lm_head_bits=base.lm_head_bits), self.show_progress)
+        logger.info("INT8 ranking: %s", ", ".join(g.name for g in self.result.int8_gains))
+        return nested_int8_sets(self.result.int8_gains, self.space.num_int8_sets)
+
+
+def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, show_progress: bool = True,
+                  report_dir: Path | None = None, gguf_path: Path | None = None, selection: TextSet = SELECTION,
+                  test: TextSet = TEST) -> tuple[AutoResult, LlamaForCausalLM | None]:
+    """Walk the search space on ``selection``; return the result and the chosen model (or None).
+
+    The choice is scored once on ``test`` afterwards (``result.test``). ``timer`` times each
+    candidate's decoding. With ``report_dir`` the report is rewritten after every candidate,
+    so an interrupted search keeps what it measured. With ``gguf_path``, the GGUF file the
+    model was converted from, the file's own blocks are one more candidate."""
+    seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
+    walk = _Walk(loaded, space, timer, EvalWindows.for_set(loaded.tokenizer, selection, seq_len), show_progress,
+                 report_dir, gguf_path)
+    found = walk.run()
+    result = walk.result
+    if found is None:
+        return result, None
+    result.best, model = found
+    if space.num_timing_rounds > 0:
+        logger.info("timing the choice and the reference, %d interleaved rounds", space.num_timing_rounds)
+        result.reference_decode_ms, result.best.decode_ms = timer.time_interleaved([loaded.model, model],
+                                                                                   space.num_timing_rounds)
+        result.best.is_retimed = True
+    # Scored once, after the choice is final: nothing below feeds back into the walk.
+    test_windows = EvalWindows.for_set(loaded.tokenizer, test, seq_len)
+    result.test = compare(loaded.model, model, test_windows, label=result.best.config.label,
+                          show_progress=show_progress)[1]
+    logger.info("test set: loss %+.2f%% %s (%s)", result.test.ppl_loss * 100, format_interval(result.test.loss_interval),
+                "pass" if result.is_test_passed else "miss")
+    if report_dir is not None:
+        write_report(result, space, report_dir)
+    return result, model
 
 
 def report_markdown(result: AutoResult, space: AutoSearchSpace) -> str:
-    lines = [f"Reference perplexity {result.reference.ppl:.4f} over {result.reference.num_tokens} held-out tokens; "
+    ci = f"{CONFIDENCE:.0%} interval"
+    lines = [f"Reference: perplexity {result.reference.ppl:.4f} over {result.reference.num_tokens} selection tokens; "
              f"decode {result.reference_decode_ms:.1f} ms/token; weights {result.reference_weight_bytes / 1e6:.0f} MB. "
-             f"Target: perplexity loss <= {space.max_loss * 100:.2f}%.", "",
-             "| config | ppl | ppl loss | mean KL | top-1 agree | decode ms/tok | speedup | weights MB | meets target |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for c in sorted(result.candidates, key=lambda c: c.decode_ms):
+             f"Target: perplexity loss <= {space.max_loss * 100:.2f}%, judged by the upper end of the selection "
+             "interval.", "",
+             f"| step | config | selection loss | {ci} | mean KL | top-1 agree | weights MB | decode ms/tok | "
+             "speedup | search s | within target |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in result.candidates:
         e = c.eval
-        mark = "**best**" if c is result.best else ("yes" if c.is_within_target else "no")
-        lines.append(f"| {c.config.label} | {e.ppl:.4f} | {e.ppl_loss * 100:+.2f}% | {e.mean_kl:.5f} | "
-                     f"{e.top1_agreement * 100:.2f}% | {c.decode_ms:.1f}{'*' if c.is_retimed else ''} | "
-                     f"{result.reference_decode_ms / c.decode_ms:.2f}x | {c.weight_bytes / 1e6:.0f} | {mark} |")
+        mark = "**chosen**" if c is result.best else ("yes" if c.is_within_target else "no")
+        lines.append(f"| {c.step} | {c.config.label} | {e.ppl_loss * 100:+.2f}% | {format_interval(e.loss_interval)} | "
+                     f"{e.mean_kl:.5f} | {e.top1_agreement * 100:.2f}% | {c.weight_bytes / 1e6:.0f} | "
+                     f"{c.decode_ms:.1f}{'*' if c.is_retimed else ''} | {result.reference_decode_ms / c.decode_ms:.2f}x | "
+                     f"{c.seconds:.0f} | {mark} |")
     lines.append("")
     if any(c.is_retimed for c in result.candidates):
-        lines.append(f"\\* median of {space.num_timing_rounds} interleaved rounds with the other finalists and the "
-                     "reference (the reference's time too); other times are single runs.")
-        lines.append("")
+        lines += [f"\\* median of {space.num_timing_rounds} interleaved rounds with the reference (the reference's "
+                  "time too); other times are single runs.", ""]
     if result.int8_gains:
-        lines += [f"INT8 sensitivity ({space.sensitivity_base().label}, one kind of linear at INT8 in every layer):", "",
+        lines += [f"INT8 sensitivity (RTN, one kind of linear at INT8 in every layer, first {space.num_ranking_windows} "
+                  "selection windows of each domain):", "",
                   "| linear | mean KL saved | extra MB | KL saved per MB |", "|---|---|---|---|"]
         lines += [f"| {g.name} | {g.kl_saved:.5f} | {g.extra_bytes / 1e6:.1f} | {g.kl_saved_per_mb:.5f} |"
                   for g in result.int8_gains]
         lines.append("")
     if result.best is None:
         lines.append(f"NO configuration met the target of {space.max_loss * 100:.2f}% perplexity loss.")
-    else:
-        lines.append(f"Chosen: {result.best.config.label} ({result.best.eval.ppl_loss * 100:+.2f}% perplexity, "
-                     f"{result.best.decode_ms:.1f} ms/token).")
+        return "\n".join(lines)
+    best = result.best
+    lines.append(f"Chosen on the selection set: {best.config.label} ({best.eval.ppl_loss * 100:+.2f}% "
+                 f"{format_interval(best.eval.loss_interval)}, {best.decode_ms:.1f} ms/token, "
+                 f"{best.weight_bytes / 1e6:.0f} MB).")
+    if result.test is not None:
+        t = result.test
+        lines += ["", f"Test set, scored once for the choice ({t.num_tokens} tokens; never used to choose):", "",
+                  f"| domain | tokens | test loss | {ci} | mean KL | top-1 agree |", "|---|---:|---:|---|---:|---:|"]
+        for domain, loss in t.ppl_loss_per_domain.items():
+            lines.append(f"| {domain} | {t.num_tokens_per_domain[domain]} | {loss * 100:+.2f}% | "
+                         f"{format_interval(t.loss_interval_per_domain[domain])} | {t.mean_kl_per_domain[domain]:.5f} | "
+                         f"{t.top1_agreement_per_domain[domain] * 100:.2f}% |")
+        lines.append(f"| **overall** | {t.num_tokens} | {t.ppl_loss * 100:+.2f}% | {format_interval(t.loss_interval)} | "
+                     f"{t.mean_kl:.5f} | {t.top1_agreement * 100:.2f}% |")
+        lines += ["", f"Test: **{'pass' if result.is_test_passed else 'miss'}** (every domain's loss within "
+                  f"{space.max_loss * 100:.2f}%: {'yes' if result.is_test_passed else 'no'})."]
     return "\n".join(lines)
 
 
 def plot(result: AutoResult, path: Path) -> None:
-    """Accuracy (perplexity loss) against decode latency, marker area proportional to size."""
+    """Selection loss (with its interval) against decode latency, marker area proportional to
+    size; the choice's test loss as a star."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,14 +366,23 @@ def plot(result: AutoResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for c in result.candidates:
         color = "tab:green" if c.is_within_target else "tab:red"
-        ax.scatter(c.decode_ms, c.eval.ppl_loss * 100, s=c.weight_bytes / 2e6, color=color, alpha=0.6,
+        lo, hi = c.eval.loss_interval
+        loss = c.eval.ppl_loss * 100
+        # A percentile interval need not contain the point estimate; draw what lies on each side.
+        ax.errorbar(c.decode_ms, loss, yerr=[[max(loss - lo * 100, 0)], [max(hi * 100 - loss, 0)]], color=color,
+                    alpha=0.5, lw=1)
+        ax.scatter(c.decode_ms, loss, s=c.weight_bytes / 2e6, color=color, alpha=0.6,
                    edgecolors="black" if c is result.best else "none", linewidths=2)
-        ax.annotate(c.config.label, (c.decode_ms, c.eval.ppl_loss * 100), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
+        ax.annotate(c.config.label, (c.decode_ms, loss), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    if result.best is not None and result.test is not None:
+        ax.scatter(result.best.decode_ms, result.test.ppl_loss * 100, marker="*", s=160, color="tab:blue",
+                   label="choice on the test set")
+        ax.legend(fontsize=8)
+    ax.axhline(result.max_loss * 100, color="gray", lw=0.8, ls="--")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xlabel("decode latency (ms/token, lower is faster)")
     ax.set_ylabel("perplexity loss vs reference (%)")
-    ax.set_title(f"reference: {result.reference_decode_ms:.1f} ms/token, ppl {result.reference.ppl:.3f}"
+    ax.set_title(f"reference: {result.reference_decode_ms:.1f} ms/token, selection ppl {result.reference.ppl:.3f}"
                  " (marker area ~ weight bytes)")
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
@@ -269,11 +397,13 @@ def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -
         "space": asdict(space),
         "reference": result.reference.to_dict(),
         "reference_decode_ms": result.reference_decode_ms,
-        "candidates": [{"config": c.config.to_dict(), "label": c.config.label, "eval": c.eval.to_dict(),
-                        "decode_ms": c.decode_ms, "weight_bytes": c.weight_bytes,
-                        "is_within_target": c.is_within_target, "is_retimed": c.is_retimed}
+        "candidates": [{"config": c.config.to_dict(), "label": c.config.label, "step": c.step,
+                        "selection": c.eval.to_dict(), "decode_ms": c.decode_ms, "weight_bytes": c.weight_bytes,
+                        "seconds": c.seconds, "is_within_target": c.is_within_target, "is_retimed": c.is_retimed}
                        for c in result.candidates],
         "best": None if result.best is None else result.best.config.label,
+        "test": None if result.test is None else result.test.to_dict(),
+        "is_test_passed": result.is_test_passed,
         "int8_gains": [g.to_dict() for g in result.int8_gains],
     }
     write_json(report_dir / "report.json", payload)

@@ -1,13 +1,15 @@
-"""Offline calibration and evaluation text.
+"""The three disjoint text sets, all available offline.
 
-Two sources, both available without a network:
+* **Calibration**: what GPTQ and AWQ collect their statistics on.
+* **Selection**: what the automatic search compares its candidates on.
+* **Test**: scored once, for the chosen configuration's report; never used to choose.
 
-* Code: CPython's own standard-library sources, which fit the code models. A fixed list of
-  modules is held out for evaluation; calibration samples come only from the other files.
-* Prose: public-domain works shipped in ``fastdraft/quant/texts/`` (see its README);
-  ``calib_*.txt`` files are for calibration and ``eval_*.txt`` for evaluation.
+Each set holds code and prose from sources no other set uses:
 
-Held-out evaluation text is never used for calibration.
+* Code: CPython's own standard-library sources, which fit the code models. The selection and
+  test sets each hold out a fixed list of modules; calibration samples come from the rest.
+* Prose: public-domain works shipped in ``fastdraft/quant/texts/<set>/`` (see its README), one
+  folder per set, with no book or document in two folders.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fastdraft.tokenizer import Tokenizer
 TEXTS_DIR = Path(__file__).parent / "texts"
 
 # Held-out standard-library modules (paths relative to the stdlib root).
-EVAL_CODE_FILES = ("argparse.py", "dataclasses.py", "textwrap.py", "fractions.py", "heapq.py")
+SELECTION_CODE_FILES = ("argparse.py", "dataclasses.py", "textwrap.py", "fractions.py", "heapq.py")
+TEST_CODE_FILES = ("configparser.py", "difflib.py", "calendar.py", "pprint.py", "statistics.py", "tomllib/_parser.py")
 
 
 def stdlib_root() -> Path:
@@ -33,9 +36,9 @@ def stdlib_root() -> Path:
 
 def calibration_code_files() -> list[Path]:
     """Standard-library sources usable for calibration: top-level and package modules, minus
-    tests and the held-out evaluation modules, in a stable order."""
+    tests and the selection and test modules, in a stable order."""
     root = stdlib_root()
-    held_out = {root / f for f in EVAL_CODE_FILES}
+    held_out = {root / f for f in SELECTION_CODE_FILES + TEST_CODE_FILES}
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).parts
@@ -49,30 +52,48 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def calibration_prose_files() -> list[Path]:
-    """The shipped public-domain prose usable for calibration, in a stable order."""
-    return sorted(TEXTS_DIR.glob("calib_*.txt"))
+def prose_files(split: str) -> list[Path]:
+    """The shipped public-domain prose of one set (``calibration``, ``selection`` or ``test``),
+    in a stable order."""
+    if split not in ("calibration", "selection", "test"):
+        raise ValueError(f"unknown text set {split!r}; choose from calibration, selection, test")
+    return sorted((TEXTS_DIR / split).glob("*.txt"))
 
 
 def calibration_texts() -> list[str]:
     """Every calibration text, whole: the stdlib code files, then the calibration prose."""
-    return [_read(p) for p in calibration_code_files() + calibration_prose_files()]
+    return [_read(p) for p in calibration_code_files() + prose_files("calibration")]
 
 
 @dataclass(frozen=True)
 class EvalText:
     name: str
     text: str
+    domain: str = "text"  # "code" or "prose" for the built-in sets; intervals are per domain
 
 
-def evaluation_texts() -> list[EvalText]:
-    """The held-out evaluation texts: stdlib modules plus public-domain prose."""
-    root = stdlib_root()
-    texts = [EvalText(f"stdlib/{f}", _read(root / f)) for f in EVAL_CODE_FILES if (root / f).is_file()]
-    texts += [EvalText(f"prose/{p.stem.removeprefix('eval_')}", _read(p)) for p in sorted(TEXTS_DIR.glob("eval_*.txt"))]
-    if not texts:
-        raise ValueError("no evaluation texts found")
-    return texts
+@dataclass(frozen=True)
+class TextSet:
+    """A held-out set: its standard-library modules and its prose folder, and how many tokens
+    of each text are scored (so that no single long file dominates)."""
+
+    name: str
+    code_files: tuple[str, ...]
+    max_tokens_per_text: int
+
+    def texts(self) -> list[EvalText]:
+        root = stdlib_root()
+        texts = [EvalText(f"stdlib/{f}", _read(root / f), "code") for f in self.code_files if (root / f).is_file()]
+        texts += [EvalText(f"prose/{p.stem}", _read(p), "prose") for p in prose_files(self.name)]
+        if not texts:
+            raise ValueError(f"no {self.name} texts found")
+        return texts
+
+
+# Sized so that each domain has about 8K scored tokens for selection (every candidate is scored
+# on it) and about 18K for the test set (scored once, and narrow enough intervals to report).
+SELECTION = TextSet("selection", SELECTION_CODE_FILES, max_tokens_per_text=1536)
+TEST = TextSet("test", TEST_CODE_FILES, max_tokens_per_text=3072)
 
 
 def read_text_file(path: str | Path) -> EvalText:
@@ -125,7 +146,7 @@ def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, se
     """``num_samples`` windows of ``seq_len`` token ids ([1, seq_len] each), drawn
     deterministically from calibration code files and calibration prose."""
     rng = random.Random(seed)
-    prose = [_read(p) for p in calibration_prose_files()]
+    prose = [_read(p) for p in prose_files("calibration")]
     code_files = calibration_code_files()
     num_prose = min(round(num_samples * prose_fraction), num_samples) if prose else 0
     samples: list[torch.Tensor] = []

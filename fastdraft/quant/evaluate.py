@@ -1,9 +1,10 @@
 """Accuracy of a (quantized) model against its unquantized reference on held-out text.
 
 For every window of held-out tokens both models score the same ids; we report perplexity
-(per text and token-weighted overall), the mean per-token KL divergence KL(reference || model)
-and the top-1 next-token agreement. Everything is deterministic: fixed texts, fixed windows,
-no sampling.
+(per text, per domain and token-weighted overall), the mean per-token KL divergence
+KL(reference || model) and the top-1 next-token agreement. The perplexity loss comes with a
+bootstrap interval over windows, resampled within each domain. Everything is deterministic:
+fixed texts, fixed windows, a seeded bootstrap, no sampling.
 """
 
 from __future__ import annotations
@@ -17,8 +18,57 @@ from tqdm.auto import tqdm
 
 from fastdraft.layers.kv_cache import KVCache
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.quant.data import EvalText
+from fastdraft.quant.data import EvalText, TextSet
 from fastdraft.tokenizer import Tokenizer
+
+# The reference's distribution is kept as its top tokens plus one bucket for the rest, so memory
+# stays bounded (a full fp16 row is 0.3 MB at a 150K vocabulary). The bucketed KL is a lower
+# bound on the full KL; on the Qwen models the top 64 tokens hold all but ~1e-4 of it.
+REFERENCE_TOP_K = 64
+NUM_BOOTSTRAP = 1000
+CONFIDENCE = 0.95
+
+
+@dataclass
+class WindowScore:
+    """One window's sums: what the bootstrap resamples."""
+
+    text: str
+    domain: str
+    num_tokens: int  # tokens predicted
+    nll: float  # summed negative log-likelihood of the model
+    ref_nll: float  # the same of the reference (equal to nll without one)
+    kl: float = 0.0  # summed KL(reference || model)
+    num_agree: int = 0  # tokens whose top-1 matches the reference's
+
+
+def loss_interval(windows: list[WindowScore], num_resamples: int = NUM_BOOTSTRAP, confidence: float = CONFIDENCE,
+                  seed: int = 0) -> tuple[float, float]:
+    """The bootstrap percentile interval of the perplexity loss ``exp((nll - ref_nll) / tokens) - 1``
+    over ``windows``, resampled with replacement within each domain (so the domains keep their
+    weights). Deterministic for a given ``seed``."""
+    if not windows:
+        raise ValueError("no windows to resample")
+    generator = torch.Generator().manual_seed(seed)
+    diff = torch.zeros(num_resamples, dtype=torch.float64)
+    count = torch.zeros(num_resamples, dtype=torch.float64)
+    for domain in sorted({w.domain for w in windows}):
+        ws = [w for w in windows if w.domain == domain]
+        d = torch.tensor([w.nll - w.ref_nll for w in ws], dtype=torch.float64)  # [num_windows]
+        n = torch.tensor([w.num_tokens for w in ws], dtype=torch.float64)
+        idx = torch.randint(len(ws), (num_resamples, len(ws)), generator=generator)  # [num_resamples, num_windows]
+        diff += d[idx].sum(1)
+        count += n[idx].sum(1)
+    losses = torch.expm1(diff / count)
+    lo, hi = torch.quantile(losses, torch.tensor([(1 - confidence) / 2, (1 + confidence) / 2], dtype=torch.float64))
+    return lo.item(), hi.item()
+
+
+def _summary(windows: list[WindowScore]) -> tuple[int, float, float, float, float]:
+    """(tokens, ppl, reference ppl, mean KL, top-1 agreement) over ``windows``."""
+    n = sum(w.num_tokens for w in windows)
+    return (n, math.exp(sum(w.nll for w in windows) / n), math.exp(sum(w.ref_nll for w in windows) / n),
+            sum(w.kl for w in windows) / n, sum(w.num_agree for w in windows) / n)
 
 
 @dataclass
@@ -34,21 +84,64 @@ class EvalResult:
     num_tokens_per_text: dict[str, int] = field(default_factory=dict)
     mean_kl_per_text: dict[str, float] = field(default_factory=dict)  # empty without a reference
     top1_agreement_per_text: dict[str, float] = field(default_factory=dict)  # likewise
+    # Against a reference: the bootstrap interval of ppl_loss, overall and per domain.
+    loss_interval: tuple[float, float] | None = None
+    ppl_loss_per_domain: dict[str, float] = field(default_factory=dict)
+    loss_interval_per_domain: dict[str, tuple[float, float]] = field(default_factory=dict)
+    mean_kl_per_domain: dict[str, float] = field(default_factory=dict)
+    top1_agreement_per_domain: dict[str, float] = field(default_factory=dict)
+    num_tokens_per_domain: dict[str, int] = field(default_factory=dict)
+    windows: list[WindowScore] = field(default_factory=list, repr=False)
 
     @property
     def ppl_loss(self) -> float:
         """Relative perplexity increase over the reference (0.01 = 1%)."""
         return self.ppl / self.ref_ppl - 1.0
 
+    @classmethod
+    def from_windows(cls, label: str, windows: list[WindowScore], has_reference: bool) -> "EvalResult":
+        """Aggregate window sums per text, per domain and overall; with a reference, also KL,
+        top-1 and the bootstrap intervals of the loss."""
+        by_text: dict[str, list[WindowScore]] = {}
+        by_domain: dict[str, list[WindowScore]] = {}
+        for w in windows:
+            by_text.setdefault(w.text, []).append(w)
+            by_domain.setdefault(w.domain, []).append(w)
+        n, ppl, ref_ppl, kl, top1 = _summary(windows)
+        texts = {name: _summary(ws) for name, ws in by_text.items()}
+        domains = {name: _summary(ws) for name, ws in by_domain.items()}
+        result = cls(label=label, num_tokens=n, ppl=ppl, ref_ppl=ref_ppl, mean_kl=kl if has_reference else 0.0,
+                     top1_agreement=top1 if has_reference else 1.0,
+                     ppl_per_text={t: s[1] for t, s in texts.items()},
+                     ref_ppl_per_text={t: s[2] for t, s in texts.items()} if has_reference else {},
+                     num_tokens_per_text={t: s[0] for t, s in texts.items()},
+                     num_tokens_per_domain={d: s[0] for d, s in domains.items()}, windows=windows)
+        if has_reference:
+            result.mean_kl_per_text = {t: s[3] for t, s in texts.items()}
+            result.top1_agreement_per_text = {t: s[4] for t, s in texts.items()}
+            result.loss_interval = loss_interval(windows)
+            result.ppl_loss_per_domain = {d: s[1] / s[2] - 1 for d, s in domains.items()}
+            result.loss_interval_per_domain = {d: loss_interval(ws) for d, ws in by_domain.items()}
+            result.mean_kl_per_domain = {d: s[3] for d, s in domains.items()}
+            result.top1_agreement_per_domain = {d: s[4] for d, s in domains.items()}
+        return result
+
     def to_dict(self) -> dict:
         return {**asdict(self), "ppl_loss": self.ppl_loss}
+
+
+@dataclass(frozen=True)
+class Window:
+    text: str
+    domain: str
+    ids: torch.Tensor  # [1, seq_len]
 
 
 @dataclass
 class EvalWindows:
     """The fixed token windows every evaluation scores."""
 
-    windows: list[tuple[str, torch.Tensor]]  # (text name, ids [1, seq_len])
+    windows: list[Window]
 
     @classmethod
     def build(cls, tokenizer: Tokenizer, texts: list[EvalText], seq_len: int = 512,
@@ -67,14 +160,29 @@ class EvalWindows:
             for start in range(0, len(ids) - 1, seq_len):
                 chunk = ids[start:start + seq_len]
                 if len(chunk) >= 2:
-                    windows.append((text.name, torch.tensor([chunk])))
+                    windows.append(Window(text.name, text.domain, torch.tensor([chunk])))
         if not windows:
             raise ValueError("evaluation texts produced no tokens")
         return cls(windows)
 
+    @classmethod
+    def for_set(cls, tokenizer: Tokenizer, text_set: TextSet, seq_len: int = 512) -> "EvalWindows":
+        """The windows of one of the built-in held-out sets (``data.SELECTION``, ``data.TEST``)."""
+        return cls.build(tokenizer, text_set.texts(), seq_len, max_tokens_per_text=text_set.max_tokens_per_text)
+
+    def head(self, num_windows: int) -> "EvalWindows":
+        """The first ``num_windows`` windows of each domain: a quick subset for ranking."""
+        taken: dict[str, int] = {}
+        kept = []
+        for w in self.windows:
+            if taken.get(w.domain, 0) < num_windows:
+                taken[w.domain] = taken.get(w.domain, 0) + 1
+                kept.append(w)
+        return EvalWindows(kept)
+
     @property
     def num_tokens(self) -> int:
-        return sum(ids.shape[1] - 1 for _, ids in self.windows)
+        return sum(w.ids.shape[1] - 1 for w in self.windows)
 
 
 @torch.inference_mode()
@@ -85,88 +193,85 @@ def _full_logits(model: LlamaForCausalLM, ids: torch.Tensor, kv_cache: KVCache) 
     return model.compute_logits(hidden[0, :-1])  # [seq_len - 1, vocab] predicting ids[1:]
 
 
+def _log_probs(model: LlamaForCausalLM, window: Window, cache: KVCache) -> torch.Tensor:
+    return F.log_softmax(_full_logits(model, window.ids, cache).float(), dim=-1)  # [seq_len - 1, vocab]
+
+
 @dataclass
 class ReferenceScores:
-    """The reference model's log-probabilities on every window, computed once and reused
-    for each candidate (fp16: ~0.3 GB per 1K tokens at a 150K vocabulary). The top-1 ids are
-    kept exactly, so rounding never flips an agreement."""
+    """The reference's scores on every window, computed once and reused for each candidate:
+    per window its top ``REFERENCE_TOP_K`` log-probabilities and token ids, not the whole
+    distribution. The top-1 ids are kept exactly, so rounding never flips an agreement."""
 
-    logprobs: list[torch.Tensor]  # per window: [seq_len - 1, vocab] fp16
-    top1_ids: list[torch.Tensor]  # per window: [seq_len - 1]
+    topk_logprobs: list[torch.Tensor]  # per window: [seq_len - 1, k] float32, descending
+    topk_ids: list[torch.Tensor]  # per window: [seq_len - 1, k] int64
     result: EvalResult
 
 
+def topk_kl(ref_topk_logprobs: torch.Tensor, ref_topk_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) per row [num_rows] over the reference's top tokens
+    ([num_rows, k]) and one bucket for all other tokens; ``logprobs`` [num_rows, vocab]. A lower
+    bound on the full KL (grouping tokens never raises a divergence), equal to it when ``k``
+    covers the vocabulary."""
+    ref_p = ref_topk_logprobs.exp()  # [num_rows, k]
+    logq = logprobs.gather(-1, ref_topk_ids)  # [num_rows, k]
+    head = (ref_p * (ref_topk_logprobs - logq)).sum(-1)
+    ref_tail = (1.0 - ref_p.sum(-1)).clamp_min(0.0)
+    tail_q = (1.0 - logq.exp().sum(-1)).clamp_min(1e-12)
+    tail = torch.where(ref_tail > 1e-9, ref_tail * (ref_tail.clamp_min(1e-12).log() - tail_q.log()), 0.0)
+    return head + tail
+
+
+def full_kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) per row [num_rows], from full [num_rows, vocab] log-probabilities."""
+    return (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
+
+
+def _nll(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
+    return -logprobs.gather(-1, targets[:, None]).sum().item()
+
+
 @torch.inference_mode()
-def score_reference(reference: LlamaForCausalLM, windows: EvalWindows, show_progress: bool = True) -> ReferenceScores:
-    result, logprobs, top1_ids = _score(reference, windows, None, "reference", show_progress, keep_logprobs=True)
-    return ReferenceScores(logprobs, top1_ids, result)
+def score_reference(reference: LlamaForCausalLM, windows: EvalWindows, show_progress: bool = True,
+                    top_k: int = REFERENCE_TOP_K) -> ReferenceScores:
+    """Score the reference once, keeping its top ``top_k`` tokens per position."""
+    cache = _cache_for(reference, windows)
+    scores, topk_logprobs, topk_ids = [], [], []
+    for w in tqdm(windows.windows, desc="evaluating reference", disable=not show_progress, leave=False):
+        logprobs = _log_probs(reference, w, cache)
+        nll = _nll(logprobs, w.ids[0, 1:].to(logprobs.device))
+        top = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+        topk_logprobs.append(top.values.cpu())
+        topk_ids.append(top.indices.cpu())
+        scores.append(WindowScore(w.text, w.domain, w.ids.shape[1] - 1, nll, nll))
+    return ReferenceScores(topk_logprobs, topk_ids, EvalResult.from_windows("reference", scores, has_reference=False))
 
 
 @torch.inference_mode()
 def evaluate(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceScores | None = None,
              label: str = "model", show_progress: bool = True) -> EvalResult:
-    """Score ``model`` on ``windows``; with ``reference``, also KL and top-1 agreement against it."""
-    return _score(model, windows, reference, label, show_progress, keep_logprobs=False)[0]
-
-
-class _Tally:
-    """Per-text sums of one model's scores over windows: negative log-likelihood, tokens, and
-    against a reference, KL divergence and top-1 agreements."""
-
-    def __init__(self) -> None:
-        self.nll: dict[str, float] = {}
-        self.count: dict[str, int] = {}
-        self.kl: dict[str, float] = {}
-        self.agree: dict[str, int] = {}
-
-    def add(self, name: str, logprobs: torch.Tensor, targets: torch.Tensor,
-            ref_logprobs: torch.Tensor | None = None, ref_top1: torch.Tensor | None = None) -> None:
-        """``logprobs`` [num_targets, vocab] predicting ``targets`` [num_targets]."""
-        self.nll[name] = self.nll.get(name, 0.0) - logprobs.gather(-1, targets[:, None]).sum().item()
-        self.count[name] = self.count.get(name, 0) + targets.numel()
-        if ref_logprobs is not None:
-            kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)  # [num_targets]
-            self.kl[name] = self.kl.get(name, 0.0) + kl.sum().item()
-            self.agree[name] = self.agree.get(name, 0) + (ref_top1 == logprobs.argmax(-1)).sum().item()
-
-    def result(self, label: str, reference: EvalResult | None) -> EvalResult:
-        total = sum(self.count.values())
-        ppl = math.exp(sum(self.nll.values()) / total)
-        has_ref = reference is not None
-        return EvalResult(
-            label=label, num_tokens=total, ppl=ppl, ref_ppl=reference.ppl if has_ref else ppl,
-            mean_kl=sum(self.kl.values()) / total if has_ref else 0.0,
-            top1_agreement=sum(self.agree.values()) / total if has_ref else 1.0,
-            ppl_per_text={n: math.exp(self.nll[n] / self.count[n]) for n in self.nll},
-            ref_ppl_per_text=reference.ppl_per_text if has_ref else {},
-            num_tokens_per_text=dict(self.count),
-            mean_kl_per_text={n: self.kl[n] / self.count[n] for n in self.kl},
-            top1_agreement_per_text={n: self.agree[n] / self.count[n] for n in self.agree})
-
-
-def _score(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceScores | None, label: str,
-           show_progress: bool, keep_logprobs: bool) -> tuple[EvalResult, list[torch.Tensor], list[torch.Tensor]]:
+    """Score ``model`` on ``windows``; with ``reference``, also KL, top-1 agreement and the
+    loss intervals against it."""
     cache = _cache_for(model, windows)
-    tally = _Tally()
-    kept: list[torch.Tensor] = []
-    kept_top1: list[torch.Tensor] = []
-    for i, (name, ids) in enumerate(tqdm(windows.windows, desc=f"evaluating {label}", disable=not show_progress,
-                                         leave=False)):
-        targets = ids[0, 1:].to(model.device)  # [seq_len - 1]
-        logprobs = F.log_softmax(_full_logits(model, ids, cache), dim=-1)  # [seq_len - 1, vocab]
-        if keep_logprobs:
-            kept.append(logprobs.to(torch.float16).cpu())
-            kept_top1.append(logprobs.argmax(-1).cpu())
+    scores = []
+    for i, w in enumerate(tqdm(windows.windows, desc=f"evaluating {label}", disable=not show_progress,
+                               leave=False)):
+        logprobs = _log_probs(model, w, cache)
+        targets = w.ids[0, 1:].to(logprobs.device)  # [seq_len - 1]
+        nll = _nll(logprobs, targets)
         if reference is None:
-            tally.add(name, logprobs, targets)
-        else:
-            tally.add(name, logprobs, targets, reference.logprobs[i].to(logprobs.device).float(),
-                      reference.top1_ids[i].to(logprobs.device))
-    return tally.result(label, reference.result if reference is not None else None), kept, kept_top1
+            scores.append(WindowScore(w.text, w.domain, targets.numel(), nll, nll))
+            continue
+        ref_topk_logprobs = reference.topk_logprobs[i].to(logprobs.device)
+        ref_topk_ids = reference.topk_ids[i].to(logprobs.device)
+        kl = topk_kl(ref_topk_logprobs, ref_topk_ids, logprobs).sum().item()
+        agree = (ref_topk_ids[:, 0] == logprobs.argmax(-1)).sum().item()
+        scores.append(WindowScore(w.text, w.domain, targets.numel(), nll, reference.result.windows[i].nll, kl, agree))
+    return EvalResult.from_windows(label, scores, has_reference=reference is not None)
 
 
 def _cache_for(model: LlamaForCausalLM, windows: EvalWindows) -> KVCache:
-    max_len = max(ids.shape[1] for _, ids in windows.windows)
+    max_len = max(w.ids.shape[1] for w in windows.windows)
     return KVCache.from_config(model.config, max_len, dtype=model.dtype, device=model.device)
 
 
@@ -174,30 +279,44 @@ def _cache_for(model: LlamaForCausalLM, windows: EvalWindows) -> KVCache:
 def compare(reference: LlamaForCausalLM, model: LlamaForCausalLM, windows: EvalWindows, label: str = "model",
             show_progress: bool = True) -> tuple[EvalResult, EvalResult]:
     """Score ``reference`` and ``model`` side by side, one window at a time: (reference's
-    result, model's result with KL and top-1 against it).
+    result, model's result with the full-vocabulary KL and top-1 against it).
 
-    Unlike :func:`score_reference`, nothing of the reference is kept beyond the current
-    window, so memory stays bounded on texts of any length (a stored fp16 distribution costs
-    ~0.3 GB per 1K tokens at a 150K vocabulary)."""
+    Nothing of the reference is kept beyond the current window, so memory stays bounded on
+    texts of any length."""
     ref_cache, cache = _cache_for(reference, windows), _cache_for(model, windows)
-    ref_tally, tally = _Tally(), _Tally()
-    for name, ids in tqdm(windows.windows, desc=f"evaluating {label}", disable=not show_progress, leave=False):
-        targets = ids[0, 1:].to(model.device)  # [seq_len - 1]
-        ref_logprobs = F.log_softmax(_full_logits(reference, ids, ref_cache), dim=-1).to(model.device)
-        logprobs = F.log_softmax(_full_logits(model, ids, cache), dim=-1)  # [seq_len - 1, vocab]
-        ref_tally.add(name, ref_logprobs, targets)
-        tally.add(name, logprobs, targets, ref_logprobs, ref_logprobs.argmax(-1))
-    ref_result = ref_tally.result("reference", None)
-    return ref_result, tally.result(label, ref_result)
+    ref_scores, scores = [], []
+    for w in tqdm(windows.windows, desc=f"evaluating {label}", disable=not show_progress, leave=False):
+        ref_logprobs = _log_probs(reference, w, ref_cache)
+        logprobs = _log_probs(model, w, cache).to(ref_logprobs.device)
+        targets = w.ids[0, 1:].to(logprobs.device)  # [seq_len - 1]
+        ref_nll, nll = _nll(ref_logprobs, targets), _nll(logprobs, targets)
+        ref_scores.append(WindowScore(w.text, w.domain, targets.numel(), ref_nll, ref_nll))
+        scores.append(WindowScore(w.text, w.domain, targets.numel(), nll, ref_nll,
+                                  full_kl(ref_logprobs, logprobs).sum().item(),
+                                  (ref_logprobs.argmax(-1) == logprobs.argmax(-1)).sum().item()))
+    return (EvalResult.from_windows("reference", ref_scores, has_reference=False),
+            EvalResult.from_windows(label, scores, has_reference=True))
+
+
+def format_interval(interval: tuple[float, float] | None) -> str:
+    """``(0.001, 0.012)`` -> ``"[+0.10%, +1.20%]"``; empty without an interval."""
+    return "" if interval is None else f"[{interval[0] * 100:+.2f}%, {interval[1] * 100:+.2f}%]"
 
 
 def format_table(results: list[EvalResult]) -> str:
-    """A markdown table of evaluation results."""
-    lines = ["| config | ppl | ref ppl | ppl loss | mean KL | top-1 agree | tokens |",
-             "|---|---|---|---|---|---|---|"]
+    """A markdown table of evaluation results: overall, then per domain where there are several."""
+    lines = [f"| config | ppl | ref ppl | ppl loss | {CONFIDENCE:.0%} interval | mean KL | top-1 agree | tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.label} | {r.ppl:.4f} | {r.ref_ppl:.4f} | {r.ppl_loss * 100:+.2f}% | "
-                     f"{r.mean_kl:.5f} | {r.top1_agreement * 100:.2f}% | {r.num_tokens} |")
+                     f"{format_interval(r.loss_interval)} | {r.mean_kl:.5f} | {r.top1_agreement * 100:.2f}% | "
+                     f"{r.num_tokens} |")
+        if len(r.ppl_loss_per_domain) > 1:
+            for domain, loss in r.ppl_loss_per_domain.items():
+                lines.append(f"| {r.label} ({domain}) | | | {loss * 100:+.2f}% | "
+                             f"{format_interval(r.loss_interval_per_domain[domain])} | "
+                             f"{r.mean_kl_per_domain[domain]:.5f} | "
+                             f"{r.top1_agreement_per_domain[domain] * 100:.2f}% | {r.num_tokens_per_domain[domain]} |")
     return "\n".join(lines)
 
 
@@ -223,4 +342,7 @@ def format_text_table(result: EvalResult) -> str:
                          result.mean_kl_per_text.get(name, 0.0), result.top1_agreement_per_text.get(name, 0.0)))
     lines.append(row("**overall**", result.num_tokens, result.ppl, result.ref_ppl, result.mean_kl,
                      result.top1_agreement))
+    if result.loss_interval is not None:
+        lines += ["", f"{CONFIDENCE:.0%} bootstrap interval of the overall loss (over windows): "
+                      f"{format_interval(result.loss_interval)}"]
     return "\n".join(lines)

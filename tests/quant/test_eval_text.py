@@ -70,8 +70,14 @@ def test_streamed_comparison_matches_the_stored_reference(llama_dir):
     assert ref_result.ppl == pytest.approx(stored.result.ppl, rel=1e-6)
     assert result.ppl == pytest.approx(expected.ppl, rel=1e-6)
     assert result.top1_agreement == pytest.approx(expected.top1_agreement, abs=1e-3)
-    # The stored reference keeps fp16 log-probabilities; the streamed one keeps fp32.
-    assert result.mean_kl == pytest.approx(expected.mean_kl, rel=1e-2, abs=1e-5)
+    assert result.loss_interval == pytest.approx(expected.loss_interval, rel=1e-6, abs=1e-9)
+    # The stored reference keeps its top tokens and a bucket for the rest: a lower bound on
+    # the streamed full-vocabulary KL (this random model's distributions are nearly flat), and
+    # the same KL once the top tokens cover the vocabulary.
+    assert 0 < expected.mean_kl <= result.mean_kl + 1e-6
+    whole = score_reference(reference.model, windows, show_progress=False, top_k=reference.config.vocab_size)
+    assert evaluate(candidate.model, windows, whole, show_progress=False).mean_kl == \
+        pytest.approx(result.mean_kl, rel=1e-4)
     assert result.mean_kl_per_text.keys() == {"a", "b"}
 
 
