@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, 512, 1024)
+SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 PER_CHANNEL = -1  # group_size value meaning one group spanning all of K
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 1e-8  # a group of zeros still needs a non-zero scale

@@ -30,8 +30,9 @@ def test_int4_round_trip_error_is_within_half_a_step(group_size, scheme):
     err = (dequantize(qw) - w).abs().view(48, 2048 // g, g)
     step = qw.scales.float().abs().unsqueeze(-1)  # [N, groups, 1]
     # RTN error is at most half a step, except at the range's edges: values clipped at +7
-    # (symmetric) or shifted by the rounded zero point (asymmetric) are off by at most one step.
-    assert torch.all(err <= step * (1 + 1e-3) + 1e-6)
+    # (symmetric) or shifted by the rounded zero point (asymmetric) are off by at most one step,
+    # and by the fp16 rounding of the scale on top (up to 8 * 2**-11 of a step at the edge).
+    assert torch.all(err <= step * (1 + 8 * 2**-11) + 1e-6)
     assert (err <= 0.5 * step * (1 + 1e-3) + 1e-6).float().mean() > 0.99
     # ...and it is a real quantizer: typical error is a fraction of a step, not zero.
     assert 0.15 < (err / step).mean() < 0.4

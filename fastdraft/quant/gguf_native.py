@@ -13,10 +13,11 @@ Q4_1      INT4 g32, float zeros       codes and scale exact; zero ``-m / d`` rou
 Q4_K      INT4 g32, float zeros       codes exact; the 32-weight sub-block's scale ``d * sc``
                                       and zero ``dmin * m / (d * sc)`` rounded to fp16
 Q5_0      INT6 g32, symmetric         exact: ``q6 = q5 + 16`` with the block's scale
+Q6_K      INT6 g16, symmetric         codes exact; the 16-weight sub-block's scale ``d * sc``
+                                      rounded to fp16
 Q8_0      INT8 g32, symmetric         exact
 other     INT8 g32, symmetric         not exact: requantized (RTN) from the dequantized
-                                      values. Q6_K is among them: its 16-weight sub-blocks
-                                      carry their own scales, which a 32-weight group cannot.
+                                      values, with a warning
 ========  ==========================  =====================================================
 
 Float tensors (norms, biases, F16/F32 weights) and the token embedding, of which a decode
@@ -131,6 +132,22 @@ def _q5_0(blocks: np.ndarray) -> QuantizedWeight:
                            6, GROUP, num_blocks * GROUP)
 
 
+def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    # 256 weights: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 sub-block scales, d.
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)  # [rows, num_blocks, 16]
+    d = _f16(blocks[..., 208:210])  # [rows, num_blocks]
+    # Two halves of 128 weights: ql's 64 bytes give weights 0-63 (low nibbles, then high), and
+    # qh's 32 bytes their bits 4-5, in four 2-bit fields for weights 0-31, 32-63, 64-95, 96-127.
+    low = _nibbles(ql.reshape(rows, num_blocks, 2, 1, 64), axis=3).reshape(rows, num_blocks, 2, 4, 32)
+    high = (qh.reshape(rows, num_blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    q6 = (low | (high << 4)).reshape(rows, -1)  # d * sc * (q - 32) is INT6's scale * (q6 - 32)
+    scale = (d[..., None] * sc).reshape(rows, -1)  # [rows, num_blocks * 16]
+    return QuantizedWeight(pack_int6(_tensor(q6, torch.uint8)), _tensor(scale, SCALE_DTYPE), None, 6, 16,
+                           num_blocks * 256)
+
+
 def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
     rows, num_blocks, _ = blocks.shape
     d = _f16(blocks[..., 0:2])
@@ -143,6 +160,7 @@ _EXACT = {
     GGMLQuantizationType.Q4_1: (20, _q4_1),
     GGMLQuantizationType.Q4_K: (144, _q4_k),
     GGMLQuantizationType.Q5_0: (22, _q5_0),
+    GGMLQuantizationType.Q6_K: (210, _q6_k),
     GGMLQuantizationType.Q8_0: (34, _q8_0),
 }
 

@@ -29,7 +29,7 @@ def _check(kernel_name, qw, m, dtype):
 
 
 @pytest.mark.parametrize("kernel_name", INT4_KERNELS)
-@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512, 1024, PER_CHANNEL])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 256, 512, 1024, PER_CHANNEL])
 @pytest.mark.parametrize("scheme", ["sym", "asym", "asymf"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_int4_kernels_match_reference(kernel_name, group_size, scheme, shape):

@@ -21,11 +21,11 @@ SHAPES = [(96, 256), (37, 96), (200, 512), (48, 3072), (16, 64)]
 
 def _weights():
     for n, k in SHAPES:
-        for g in (32, 64, 128, 256, 512, 1024, PER_CHANNEL):
+        for g in (16, 32, 64, 128, 256, 512, 1024, PER_CHANNEL):
             if g != PER_CHANNEL and k % g:
                 continue
             for bits, scheme in ((4, "sym"), (4, "asym"), (4, "asymf"), (6, "sym"), (8, "sym")):
-                if bits == 8 and g != PER_CHANNEL and g not in (32, 128):
+                if bits == 8 and g != PER_CHANNEL and g not in (16, 32, 128):
                     continue
                 if bits == 6 and k % 4:
                     continue

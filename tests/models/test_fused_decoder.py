@@ -26,6 +26,8 @@ QUANTS = {
     "int4-mix8": QuantConfig(method="rtn", group_size=32, sensitive_bits=8),
     # An INT6 LM head (the decoder linears INT4 g32).
     "int4-head6": QuantConfig(method="rtn", group_size=32, sym=True, lm_head_bits=6),
+    # INT6 g16 linears (how a GGUF's Q6_K blocks are held): activations quantized per 16.
+    "int6-g16": QuantConfig(method="rtn", bits=6, group_size=16),
     # INT8 v_proj/o_proj in every layer.
     "int4-int8vo": QuantConfig(method="rtn", group_size=32, sym=False, float_zeros=True, int8_linears=("v_proj", "o_proj")),
 }

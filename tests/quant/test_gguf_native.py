@@ -36,7 +36,7 @@ def fake_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.rando
         data = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
         small = np.float16(rng.uniform(1e-4, 2e-3, size=(rows, cols // block_size))).view(np.uint8)
         small = small.reshape(rows, cols // block_size, 2)
-        if qtype == Q.Q4_K:  # d, dmin lead the block
+        if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin lead the block
             data[..., 0:2], data[..., 2:4] = small, small[:, ::-1]
         else:  # Q6_K: d ends it
             data[..., -2:] = small
@@ -51,23 +51,24 @@ def gguf_values(tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype,bits,fmt", [
     (Q.Q4_0, 4, "int4-g32-sym"), (Q.Q4_1, 4, "int4-g32-asymf"), (Q.Q5_0, 6, "int6-g32-sym"),
-    (Q.Q8_0, 8, "int8-g32-sym"), (Q.Q4_K, 4, "int4-g32-asymf")])
-def test_exact_block_types_keep_their_values(qtype, bits, fmt):
+    (Q.Q8_0, 8, "int8-g32-sym"), (Q.Q4_K, 4, "int4-g32-asymf"), (Q.Q6_K, 6, "int6-g16-sym")])
+def test_block_types_keep_their_codes(qtype, bits, fmt):
     tensor = fake_tensor(qtype, 48, 512, np.random.default_rng(0))
     qw, is_exact = native_weight(tensor)
-    assert is_exact and qw.bits == bits and qw.group_size == 32
+    assert is_exact and qw.bits == bits
     assert format_spec(WeightFormat(qw.bits, qw.group_size, qw.is_sym, qw.has_float_zeros)) == fmt
     expected = gguf_values(tensor)
     got = dequantize(qw)
     if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):  # codes and fp16 scales are the file's own
         assert torch.equal(got, expected)
-    else:  # the float zero point (and Q4_K's d * sc) is rounded to fp16
-        scale = expected.abs().view(48, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(48, -1)
+    else:  # the float zero point (and the K-quants' d * sc) is rounded to fp16
+        g = qw.group_size
+        scale = expected.abs().view(48, -1, g).amax(-1, keepdim=True).expand(-1, -1, g).reshape(48, -1)
         assert ((got - expected).abs() <= 2e-3 * scale + 1e-7).all()
 
 
-def test_q6_k_is_held_at_int8_and_said_to_be_inexact():
-    tensor = fake_tensor(Q.Q6_K, 16, 512, np.random.default_rng(1))
+def test_unsupported_block_types_are_requantized_and_said_to_be_inexact():
+    tensor = fake_tensor(Q.Q5_K, 16, 512, np.random.default_rng(1))
     qw, is_exact = native_weight(tensor)
     assert not is_exact and qw.bits == 8 and qw.group_size == 32
     expected = gguf_values(tensor)

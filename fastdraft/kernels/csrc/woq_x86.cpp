@@ -435,7 +435,7 @@ void fastdraft::check_woq_weight(const WoqWeight& w) {
   const torch::Tensor &packed = w.packed, &scales = w.scales, &zeros = w.zeros;
   const int64_t bits = w.bits, k_pad = w.k_pad, block = w.block, group = w.group;
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
-  TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
+  TORCH_CHECK(block == 16 || block == 32 || block == 64 || block == 128, "block must be 16, 32, 64 or 128");
   TORCH_CHECK(group % block == 0 && k_pad % group == 0, "group must be a multiple of block dividing k_pad");
   TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == w.num_tiles() * w.tile_bytes(),
               "packed weight has the wrong dtype, layout or size");
