@@ -88,7 +88,7 @@ class QuantConfig:
 
     method: str = "rtn"
     bits: int = 4  # 4, 6 (symmetric, RTN; 4 values in 3 bytes) or 8 (symmetric)
-    group_size: int = 128  # 32..1024, or -1 for per channel
+    group_size: int = 128  # 16..1024, or -1 for per channel
     sym: bool = True
     # Asymmetric INT4 only: fractional float16 zero points (llama.cpp Q4_1/Q4_K, ipex-llm
     # asym_int4) instead of integers 0..15 (GPTQ/AWQ checkpoints); see formats.py.
