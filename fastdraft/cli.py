@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="walk INT4 group sizes, INT8 linears, INT6, a bf16 head and the GGUF blocks, cheapest "
                             "first; keep the first within --max-loss on the selection set, report it on the test set")
     quant.add_argument("--max-loss", type=_fraction, default=0.01, help="max perplexity loss, e.g. 1%% or 0.01")
-    quant.add_argument("--methods", default="rtn,gptq", help="with --auto: INT4 methods tried at each group size")
+    quant.add_argument("--methods", default="rtn", help="with --auto: INT4 methods tried at each group size, "
+                                                         "e.g. rtn,gptq (GPTQ takes minutes a candidate)")
     quant.add_argument("--group-sizes", default="128,64,32", help="with --auto: comma list, walked largest first; "
                                                                    "-1 = per channel")
     quant.add_argument("--scheme", default="asymf", choices=["sym", "asym", "asymf"],
