@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def corpus_texts() -> list[str]:
-    """The ranking corpus: the calibration texts (never the held-out evaluation texts)."""
+    """The ranking corpus: the calibration texts (never the selection or test texts)."""
 
     return calibration_texts()
 
