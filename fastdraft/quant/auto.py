@@ -268,7 +268,7 @@ class _Walk:
         with RTN at ``base``'s group size on the first selection windows."""
         ranking = self.windows.head(self.space.num_ranking_windows)
         self.result.int8_gains = rank_int8_linears(
-            self.loaded, self.state, ranking, score_reference(self.reference, ranking, show_progress=False),
+            self.loaded, self.state, self.windows.subset(ranking), self.ref_scores.subset(ranking),
             QuantConfig(method="rtn", group_size=base.group_size, sym=base.sym, float_zeros=base.float_zeros,
                         lm_head_bits=base.lm_head_bits), self.show_progress)
         logger.info("INT8 ranking: %s", ", ".join(g.name for g in self.result.int8_gains))

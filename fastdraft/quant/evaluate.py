@@ -170,15 +170,18 @@ class EvalWindows:
         """The windows of one of the built-in held-out sets (``data.SELECTION``, ``data.TEST``)."""
         return cls.build(tokenizer, text_set.texts(), seq_len, max_tokens_per_text=text_set.max_tokens_per_text)
 
-    def head(self, num_windows: int) -> "EvalWindows":
-        """The first ``num_windows`` windows of each domain: a quick subset for ranking."""
+    def head(self, num_windows: int) -> list[int]:
+        """Indices of the first ``num_windows`` windows of each domain: a quick subset for ranking."""
         taken: dict[str, int] = {}
         kept = []
-        for w in self.windows:
+        for i, w in enumerate(self.windows):
             if taken.get(w.domain, 0) < num_windows:
                 taken[w.domain] = taken.get(w.domain, 0) + 1
-                kept.append(w)
-        return EvalWindows(kept)
+                kept.append(i)
+        return kept
+
+    def subset(self, indices: list[int]) -> "EvalWindows":
+        return EvalWindows([self.windows[i] for i in indices])
 
     @property
     def num_tokens(self) -> int:
@@ -206,6 +209,12 @@ class ReferenceScores:
     topk_logprobs: list[torch.Tensor]  # per window: [seq_len - 1, k] float32, descending
     topk_ids: list[torch.Tensor]  # per window: [seq_len - 1, k] int64
     result: EvalResult
+
+    def subset(self, indices: list[int]) -> "ReferenceScores":
+        """The scores of the windows at ``indices`` (``EvalWindows.subset``), without rescoring."""
+        windows = [self.result.windows[i] for i in indices]
+        return ReferenceScores([self.topk_logprobs[i] for i in indices], [self.topk_ids[i] for i in indices],
+                               EvalResult.from_windows(self.result.label, windows, has_reference=False))
 
 
 def topk_kl(ref_topk_logprobs: torch.Tensor, ref_topk_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

@@ -294,3 +294,14 @@ def test_nested_int8_sets():
     gains = [Int8Gain("self_attn.v_proj", 0.5, 10), Int8Gain("self_attn.o_proj", 0.2, 10), Int8Gain("mlp.up_proj", 0.1, 10)]
     assert nested_int8_sets(gains, 2) == (("self_attn.v_proj",), ("self_attn.v_proj", "self_attn.o_proj"))
     assert nested_int8_sets(gains, 7)[-1] == ("self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj")
+
+
+def test_a_subset_of_the_reference_scores_equals_scoring_the_subset(tiny_loaded):
+    windows = EvalWindows.build(tiny_loaded.tokenizer, TEXTS, seq_len=16)
+    indices = windows.head(2)
+    assert [windows.windows[i].domain for i in indices] == ["code", "code", "prose", "prose"]
+    stored = score_reference(tiny_loaded.model, windows, show_progress=False).subset(indices)
+    fresh = score_reference(tiny_loaded.model, windows.subset(indices), show_progress=False)
+    assert stored.result.to_dict() == fresh.result.to_dict()
+    assert all(torch.equal(a, b) for a, b in zip(stored.topk_logprobs, fresh.topk_logprobs))
+    assert all(torch.equal(a, b) for a, b in zip(stored.topk_ids, fresh.topk_ids))
