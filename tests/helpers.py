@@ -18,7 +18,7 @@ import torch
 import uvicorn
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
-from fastdraft.layers.kv_cache import PagedAttentionMetadata
+from fastdraft.layers.kv_cache import PagedAttentionMetadata, Span, flat_batch
 from fastdraft.server.app import ServerConfig, build_app
 
 # The same split regex as Qwen2's tokenizer.json (and fastdraft's GGUF "qwen2" pre-tokenizer).
@@ -237,19 +237,11 @@ def free_port() -> int:
 def paged_batch(requests: list[tuple[list[int], int, int, list[int]]],
                 block_size: int) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
     """One flat step over hand-placed blocks. Each request is (its token ids, the first position
-    computed in this step, how many, its block table). Returns (input ids [1, num_tokens], the
+    computed in this step, how many, its block table). Returns (input ids [num_tokens], the
     metadata, query_start_loc)."""
-    ids, positions, slots, starts, lens = [], [], [], [0], []
-    for tokens, start, num_new, table in requests:
-        ids += tokens[start:start + num_new]
-        positions += range(start, start + num_new)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + num_new)]
-        starts.append(starts[-1] + num_new)
-        lens.append(start + num_new)
-    max_blocks = max(len(table) for *_, table in requests)
-    tables = torch.tensor([table + [0] * (max_blocks - len(table)) for *_, table in requests])
-    meta = PagedAttentionMetadata(torch.tensor(positions), torch.tensor(slots), starts, lens, tables)
-    return torch.tensor([ids]), meta, starts
+    spans = [Span(tokens[start:start + num_new], start, table) for tokens, start, num_new, table in requests]
+    ids, meta = flat_batch(spans, block_size, "cpu")
+    return ids, meta, meta.query_start_loc
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:

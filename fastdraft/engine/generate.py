@@ -1,83 +1,22 @@
-"""One request at a time: a streaming text generator over the serving engine, and the plain
-single-sequence token functions.
+"""One request at a time: a streaming text generator over the serving engine.
 
 :class:`TextGenerator` is what the CLI and the HF-style API run: prompt in (text, chat
 messages or token ids), text pieces out, with the user-visible metrics (TTFT, TPOT, tokens/s,
 and acceptance with speculation). It runs every request through a serving engine
 (:class:`~fastdraft.engine.llm_engine.LLMEngine`) of one sequence, speculative or not.
-
-``prefill``, ``decode_one_token`` and ``generate_token_ids`` decode one sequence over a
-contiguous cache, as gpt-fast does: plain functions over a model and a pre-allocated cache,
-which the speed timing of the quantization search and the tests' references use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from fastdraft.kernels.build import load_x86_extension
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.speculation import Speculation
-from fastdraft.layers.kv_cache import KVCache
-from fastdraft.layers.sampler import make_generator, sample
-from fastdraft.models.fused_decoder import FusedDecoder
-from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.loader import LoadedModel
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.tokenizer import Tokenizer
-
-
-@torch.inference_mode()
-def prefill(model: LlamaForCausalLM, input_ids: torch.Tensor, kv_cache: KVCache, slot: int = 0) -> torch.Tensor:
-    """Run the prompt ``input_ids`` [1, num_tokens] into an empty slot; return last logits [1, vocab]."""
-    kv_cache.reset(slot)
-    meta = kv_cache.append(input_ids.shape[1], slot)
-    hidden = model(input_ids, kv_cache, meta)  # [1, num_tokens, hidden]
-    return model.compute_logits(hidden[:, -1])
-
-
-@torch.inference_mode()
-def decode_one_token(model: LlamaForCausalLM, token_id: torch.Tensor, kv_cache: KVCache, slot: int = 0,
-                     decoder: FusedDecoder | None = None) -> torch.Tensor:
-    """Append one token ``token_id`` [1, 1] to the slot; return its next-token logits [1, vocab]
-    (through ``decoder``, the model's fused C++ decoder, when given)."""
-    meta = kv_cache.append(1, slot)
-    return model.decode_logits(token_id, kv_cache, meta, decoder=decoder)  # [1, vocab]
-
-
-def check_request(num_prompt_tokens: int, params: SamplingParams, max_seq_len: int) -> None:
-    """Reject a request that cannot run, before any work starts."""
-    if num_prompt_tokens == 0:
-        raise ValueError("the prompt is empty")
-    if params.uses_engine_extras():
-        raise ValueError("penalties, logit_bias, min_tokens and logprobs are served by the serving engine, not by "
-                         "generate_token_ids")
-    if num_prompt_tokens + params.max_new_tokens > max_seq_len:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-            f"maximum sequence length {max_seq_len}"
-        )
-
-
-def generate_token_ids(model: LlamaForCausalLM, prompt_ids: list[int], params: SamplingParams,
-                       kv_cache: KVCache, eos_token_ids: list[int], slot: int = 0) -> Iterator[int]:
-    """Yield new token ids one by one until EOS or ``max_new_tokens`` (the EOS id is yielded)."""
-    check_request(len(prompt_ids), params, kv_cache.max_seq_len)
-    generator = make_generator(params.seed, model.device)
-    eos = set() if params.ignore_eos else set(eos_token_ids)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
-    logits = prefill(model, input_ids, kv_cache, slot)
-    decoder = model.fused_decoder()
-    for step in range(params.max_new_tokens):
-        next_id = sample(logits, params, generator)  # [1]
-        token = int(next_id)
-        yield token
-        if token in eos or step == params.max_new_tokens - 1:
-            return
-        logits = decode_one_token(model, next_id.view(1, 1), kv_cache, slot, decoder)
 
 
 class GenerationStream:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import NamedTuple
-
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
@@ -14,43 +12,10 @@ from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
 from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
-from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
+from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span, flat_batch
 from fastdraft.layers.rejection_sampler import rejection_sample_batch
 from fastdraft.layers.sampler import apply_penalties, make_generator, sample_batch
 from fastdraft.models.llama import LlamaForCausalLM
-
-
-class Span(NamedTuple):
-    """A sequence's part of a flat batch: ``token_ids`` at positions ``start`` onwards, its
-    keys and values going to the blocks of ``block_table``."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-
-
-def flat_batch(spans: list[Span], block_size: int, device: torch.device) -> tuple[torch.Tensor,
-                                                                                  PagedAttentionMetadata]:
-    """Input ids [num_tokens] and the paged metadata of ``spans`` laid out back to back."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    context_lens: list[int] = []
-    for token_ids, start, block_table in spans:
-        input_ids.extend(token_ids)
-        for position in range(start, start + len(token_ids)):
-            positions.append(position)
-            slots.append(block_table[position // block_size] * block_size + position % block_size)
-        query_start_loc.append(query_start_loc[-1] + len(token_ids))
-        context_lens.append(start + len(token_ids))
-    max_blocks = max(len(span.block_table) for span in spans)
-    tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
-    for i, span in enumerate(spans):
-        tables[i, :len(span.block_table)] = torch.tensor(span.block_table, dtype=torch.long)
-    meta = PagedAttentionMetadata(torch.tensor(positions, device=device), torch.tensor(slots, device=device),
-                                  query_start_loc, context_lens, tables.to(device))
-    return torch.tensor(input_ids, device=device), meta
 
 
 class ModelRunner:
@@ -116,12 +81,10 @@ class ModelRunner:
         """fp32 logits [len(rows), vocab_size] of a flat batch's ``rows`` (None for no rows),
         after one pass that writes every token's key and value to the cache."""
         with batch_invariant(self.batch_invariant):
-            if self.decoder is not None and rows:  # the LM head inside the C++ call, where it can run
-                logits = self.model.paged_logits(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder, rows)
-                if logits is not None:
-                    return logits
-            hidden = self.model(input_ids.unsqueeze(0), self.kv_cache, meta, self.decoder)  # [1, num_tokens, hidden]
-            return self.model.compute_logits(hidden[0, rows]) if rows else None
+            if rows:
+                return self.model.logits(input_ids, meta.positions, self.kv_cache, meta, rows, self.decoder)
+            self.model(input_ids, meta.positions, self.kv_cache, meta, self.decoder)  # [num_tokens, hidden_size]
+            return None
 
     @torch.inference_mode()
     def time_pass(self, num_seqs: int, context_len: int, repeats: int = 3) -> float:

@@ -1,56 +1,39 @@
-"""Timing greedy decoding of one sequence over a contiguous cache, for choosing between
-configurations by measured speed."""
+"""Timing the serving engine's batch-1 decode step, for choosing between configurations by
+measured speed."""
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 
-import torch
-
-from fastdraft.engine.generate import decode_one_token, prefill
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.llm_engine import EngineConfig
+from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.tokenizer import Tokenizer
 
 
-@torch.inference_mode()
-def time_decode(model: LlamaForCausalLM, num_tokens: int, prompt_ids: list[int]) -> float:
-    """Median greedy next-token latency in milliseconds."""
-    cache = KVCache.from_config(model.config, len(prompt_ids) + num_tokens + 1, dtype=model.dtype, device=model.device)
-    logits = prefill(model, torch.tensor([prompt_ids], device=model.device), cache)
-    decoder = model.fused_decoder()
-    times = []
-    for _ in range(num_tokens):
-        start = time.perf_counter()
-        logits = decode_one_token(model, logits.argmax(-1).view(1, 1), cache, decoder=decoder)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:] if len(times) > 4 else times) * 1e3
-
-
-class GreedyDecodeTimer:
-    """Times ``num_tokens`` greedy decode steps after a short prompt; what the automatic
+class DecodeStepTimer:
+    """Times the step a user's one-sequence decoding runs: the engine's model runner (its C++
+    step where the CPU kernels apply, the LM head inside) over one token after
+    ``context_len`` cached ones, ``num_steps`` times after a warm-up. What the automatic
     quantization search ranks candidates by."""
 
-    def __init__(self, prompt_ids: list[int], num_tokens: int,
-                 time_one: Callable[[LlamaForCausalLM, int, list[int]], float] = time_decode) -> None:
-        if not prompt_ids or num_tokens < 1:
-            raise ValueError("the timer needs a non-empty prompt and num_tokens >= 1")
-        self.prompt_ids = prompt_ids
-        self.num_tokens = num_tokens
-        self._time_one = time_one
-
-    @classmethod
-    def for_code(cls, tokenizer: Tokenizer, num_tokens: int) -> "GreedyDecodeTimer":
-        return cls(tokenizer.encode("def main():\n    "), num_tokens)
+    def __init__(self, num_steps: int, context_len: int = 16, block_size: int = EngineConfig.block_size) -> None:
+        if num_steps < 1 or context_len < 0 or block_size < 1:
+            raise ValueError("the timer needs num_steps >= 1, context_len >= 0 and block_size >= 1")
+        self.num_steps = num_steps
+        self.context_len = context_len
+        self.block_size = block_size
 
     def time(self, model: LlamaForCausalLM) -> float:
-        """Median per-token decode latency in milliseconds."""
-        return self._time_one(model, self.num_tokens, self.prompt_ids)
+        """Median decode step of ``model`` in milliseconds."""
+        num_blocks = self.context_len // self.block_size + 1
+        kv_cache = PagedKVCache.from_config(model.config, num_blocks, self.block_size, model.dtype, model.device)
+        runner = ModelRunner(model, kv_cache, BlockManager(num_blocks, self.block_size, enable_prefix_caching=False))
+        return runner.time_pass(1, self.context_len, repeats=self.num_steps) * 1e3
 
     def time_interleaved(self, models: list[LlamaForCausalLM], num_rounds: int) -> list[float]:
-        """Each model's median latency (ms) over ``num_rounds`` rounds in which the models take
+        """Each model's median step (ms) over ``num_rounds`` rounds in which the models take
         turns, so that a slow or fast spell of a shared machine falls on all of them alike."""
         times: list[list[float]] = [[] for _ in models]
         for _ in range(num_rounds):

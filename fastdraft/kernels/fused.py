@@ -94,15 +94,20 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
                                               enable_gqa=enable_gqa)
 
 
-def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                               num_tokens: int = 1) -> torch.Tensor:
-    """decode_attention's PyTorch twin, also what runs off the CPU kernels (CUDA). Each token
-    attends over its own prefix in a call of its own, the very call a one-token step makes:
-    one masked call would run a different SDPA kernel, whose roundings differ, and greedy
-    speculative decoding would then no longer reproduce plain greedy decoding exactly."""
+def per_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        num_tokens: int = 1) -> torch.Tensor:
+    """Attention of a few new tokens' query rows q [B, H, R, D] over k/v [B, H, L, D] (same H:
+    grouped queries are folded into R, token-major, ``R / num_tokens`` rows a token), the last
+    token being key ``L - 1``; each token sees the keys up to its own.
+
+    Each token attends in a call of its own, the very call a one-token step makes: one masked
+    call would run a different SDPA kernel, whose roundings differ, and greedy speculative
+    decoding would then no longer reproduce plain greedy decoding exactly."""
+    if num_tokens < 1 or q.shape[2] % num_tokens or num_tokens > k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query rows cannot be {num_tokens} tokens over {k.shape[2]} keys")
     if num_tokens == 1:
         return sdpa(q, k, v, scale=scale)
-    rows = q.shape[2] // num_tokens  # [B, H, num_tokens * rows, D], token-major
+    rows = q.shape[2] // num_tokens
     num_keys = k.shape[2]
     outs = []
     for t in range(num_tokens):
@@ -112,28 +117,11 @@ def reference_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(outs, dim=2)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     num_tokens: int = 1) -> torch.Tensor:
-    """Attention of a few query rows q [B, H, R, D] over k/v [B, H, L, D] (same H: grouped
-    queries are folded into R by the caller).
-
-    The rows are ``num_tokens`` new tokens, token-major (``R / num_tokens`` rows each), the
-    last of which is key ``L - 1``; each token sees the keys up to its own (causal). Split over
-    fixed 256-key chunks, so the result does not depend on the thread count, and each row's
-    result is bit-identical to a one-token call over its own prefix."""
-    if num_tokens < 1 or q.shape[2] % num_tokens or num_tokens > k.shape[2]:
-        raise ValueError(f"{q.shape[2]} query rows cannot be {num_tokens} tokens over {k.shape[2]} keys")
-    ext = _extension_for(q, k, v)
-    if ext is None or q.shape[-1] % 16 or q.shape[-1] > 256 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return reference_decode_attention(q, k, v, scale, num_tokens)
-    return ext.decode_attention(q, k, v, scale, num_tokens)
-
-
 def reference_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                                block_tables: torch.Tensor, query_start_loc: list[int], context_lens: list[int],
                                scale: float) -> torch.Tensor:
     """paged_attention's PyTorch twin: each sequence's keys gathered from its blocks, then each
-    of its new tokens attends over its own prefix as decode_attention's twin does."""
+    of its new tokens attends over its own prefix in a call of its own (:func:`per_token_attention`)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_blocks.shape[1], k_blocks.shape[2]
     group = num_heads // num_kv_heads
@@ -148,7 +136,7 @@ def reference_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks:
         # Grouped query heads folded into rows, token-major: [1, kv_heads, num_new * group, dim].
         q_rows = q[start:end].reshape(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
         q_rows = q_rows.reshape(1, num_kv_heads, num_new * group, head_dim)
-        out = reference_decode_attention(q_rows, k, v, scale, num_new)
+        out = per_token_attention(q_rows, k, v, scale, num_new)
         outs.append(out.view(num_kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(num_new, num_heads,
                                                                                               head_dim))
     return torch.cat(outs)
@@ -175,9 +163,10 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
 
     Sequence ``i``'s new tokens are ``q[query_start_loc[i]:query_start_loc[i + 1]]``, the last
     of its ``context_lens[i]`` keys, which lie in the blocks of ``block_tables[i]``; each token
-    sees the keys up to its own. Every query row is computed as :func:`decode_attention`
-    computes a one-token step over the same keys, so a row's result does not depend on the
-    other rows, the other sequences, or how many tokens of its sequence the step holds."""
+    sees the keys up to its own. Every query row is computed as a one-token step over the same
+    keys would compute it (split over fixed 256-key chunks, whatever the thread count), so a
+    row's result does not depend on the other rows, the other sequences, or how many tokens of
+    its sequence the step holds."""
     if not paged_attention_kernel_applies(q, k_blocks):
         return reference_paged_attention(q, k_blocks, v_blocks, block_tables, [int(i) for i in query_start_loc],
                                          [int(n) for n in context_lens], scale)

@@ -66,7 +66,7 @@ class AutoSearchSpace:
     calib_seq_len: int = 512
     # GPTQ's dampening: 0.1 beat the usual 0.01 on both Qwen2.5-Coder models.
     damp_percent: float = 0.1
-    num_decode_tokens: int = 32
+    num_decode_tokens: int = 32  # decode steps timed per candidate
     num_timing_rounds: int = 5  # interleaved re-timing of the choice and the reference
     eval_seq_len: int = 512
     # Explicit candidates (e.g. "method=rtn,group_size=32,sym=false"); when given they replace
@@ -141,10 +141,10 @@ class AutoResult:
 
 class DecodeTimer(Protocol):
     """How the search times a candidate's decoding; the engine provides one
-    (:class:`fastdraft.engine.timing.GreedyDecodeTimer`)."""
+    (:class:`fastdraft.engine.timing.DecodeStepTimer`: the serving engine's batch-1 decode step)."""
 
     def time(self, model: LlamaForCausalLM) -> float:
-        """Median per-token decode latency in milliseconds."""
+        """Median decode step in milliseconds."""
 
     def time_interleaved(self, models: list[LlamaForCausalLM], num_rounds: int) -> list[float]:
         """Each model's median latency (ms) over rounds in which the models take turns."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.data import EvalText, TextSet
 from fastdraft.tokenizer import Tokenizer
@@ -189,14 +189,14 @@ class EvalWindows:
 
 
 @torch.inference_mode()
-def _full_logits(model: LlamaForCausalLM, ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-    kv_cache.reset()
-    meta = kv_cache.append(ids.shape[1])
-    hidden = model(ids.to(model.device), kv_cache, meta)
-    return model.compute_logits(hidden[0, :-1])  # [seq_len - 1, vocab] predicting ids[1:]
+def _full_logits(model: LlamaForCausalLM, ids: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+    cache.reset()
+    input_ids, meta = cache.append(ids[0])
+    hidden = model(input_ids, meta.positions, cache.kv_cache, meta)  # [seq_len, hidden_size]
+    return model.compute_logits(hidden[:-1])  # [seq_len - 1, vocab] predicting ids[1:]
 
 
-def _log_probs(model: LlamaForCausalLM, window: Window, cache: KVCache) -> torch.Tensor:
+def _log_probs(model: LlamaForCausalLM, window: Window, cache: SequenceCache) -> torch.Tensor:
     return F.log_softmax(_full_logits(model, window.ids, cache).float(), dim=-1)  # [seq_len - 1, vocab]
 
 
@@ -279,9 +279,9 @@ def evaluate(model: LlamaForCausalLM, windows: EvalWindows, reference: Reference
     return EvalResult.from_windows(label, scores, has_reference=reference is not None)
 
 
-def _cache_for(model: LlamaForCausalLM, windows: EvalWindows) -> KVCache:
+def _cache_for(model: LlamaForCausalLM, windows: EvalWindows) -> SequenceCache:
     max_len = max(w.ids.shape[1] for w in windows.windows)
-    return KVCache.from_config(model.config, max_len, dtype=model.dtype, device=model.device)
+    return SequenceCache.from_config(model.config, max_len, dtype=model.dtype, device=model.device)
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastdraft.formats import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
-from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fastdraft.quant import awq
@@ -32,11 +32,15 @@ class _LayerwiseRunner:
 
     def __init__(self, model: LlamaForCausalLM, samples: list[torch.Tensor]) -> None:
         seq_len = samples[0].shape[1]
-        self.kv_cache = KVCache.from_config(model.config, seq_len, dtype=model.dtype, device=model.device)
-        self.meta = AttentionMetadata.contiguous(0, seq_len, device=model.device)
-        self.cos, self.sin = model.model.rotary_emb(self.meta.positions, model.dtype)
+        # Every sample runs as the one sequence of a cache of its own, at positions 0..seq_len-1:
+        # one layout serves them all (each overwrites the last one's keys and values).
+        cache = SequenceCache.from_config(model.config, seq_len, dtype=model.dtype, device=model.device)
+        self.kv_cache = cache.kv_cache
+        _, self.meta = cache.append(samples[0][0])
+        self.cos, self.sin = model.model.rotary_emb(self.meta.positions, model.dtype)  # [seq_len, head_dim]
         with torch.no_grad():
-            self.hidden = [model.model.embed_tokens(s.to(model.device)) for s in samples]
+            # [seq_len, hidden_size] each
+            self.hidden = [model.model.embed_tokens(s[0].to(model.device)) for s in samples]
 
     @torch.no_grad()
     def run(self, layer: LlamaDecoderLayer) -> list[torch.Tensor]:

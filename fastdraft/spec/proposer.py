@@ -17,9 +17,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from fastdraft.engine.model_runner import ModelRunner, Span, flat_batch
+from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.speculation import DraftBatch
+from fastdraft.layers.kv_cache import Span, flat_batch
 from fastdraft.layers.sampler import batched_probs, greedy_ids, sample_from_probs
 
 

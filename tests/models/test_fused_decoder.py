@@ -1,4 +1,4 @@
-"""The fused C++ decoder (models/fused_decoder.py) against its twin, the module path."""
+"""The C++ step (models/fused_decoder.py) against its twin, the module path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_x86_extension
-from fastdraft.layers.kv_cache import KVCache, PagedKVCache
+from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
 from fastdraft.quant.config import QuantConfig
@@ -30,6 +30,8 @@ QUANTS = {
     "int6-g16": QuantConfig(method="rtn", bits=6, group_size=16),
     # INT8 v_proj/o_proj in every layer.
     "int4-int8vo": QuantConfig(method="rtn", group_size=32, sym=False, float_zeros=True, int8_linears=("v_proj", "o_proj")),
+    # An INT8 embedding table: looked up in Python, the rest of the step in C++.
+    "int4-embed8": QuantConfig(method="rtn", group_size=32, sym=True, embed_bits=8),
 }
 
 
@@ -40,23 +42,26 @@ def _model(tiny_models, variant: str, dtype: str, quant: str):
     return model
 
 
+def _pass(model, cache: SequenceCache, ids: torch.Tensor, decoder) -> torch.Tensor:
+    input_ids, meta = cache.append(ids)
+    return model(input_ids, meta.positions, cache.kv_cache, meta, decoder)  # [num_tokens, hidden_size]
+
+
 def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int]) -> list[torch.Tensor]:
-    """Prefill a prompt, then append ``chunks`` of tokens; hidden states of every chunk (through
-    a fused decoder built for the model as it is now, or the module path)."""
+    """Prefill a prompt, then append ``chunks`` of tokens; hidden states of the prompt and of
+    every chunk (through a C++ step built for the model as it is now, or the module path)."""
     decoder = model.fused_decoder() if is_fused else None
     assert decoder is not None or not is_fused, "the fused decoder could not be built"
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     out = []
     with torch.inference_mode():
-        meta = cache.append(prompt_len)
-        model(torch.randint(0, vocab, (1, prompt_len), generator=gen), cache, meta)
+        out.append(_pass(model, cache, torch.randint(0, vocab, (prompt_len,), generator=gen), decoder))
         for n in chunks:
-            meta = cache.append(n)
-            out.append(model(torch.randint(0, vocab, (1, n), generator=gen), cache, meta, decoder))
+            out.append(_pass(model, cache, torch.randint(0, vocab, (n,), generator=gen), decoder))
             if n > 1:  # a verification that rejected its last token
-                cache.truncate(cache.seq_lens[0] - 1)
+                cache.truncate(cache.num_tokens - 1)
     return out
 
 
@@ -72,23 +77,24 @@ def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
         assert torch.equal(got, want)
 
 
-def _decode_logits_both_paths(model, steps: list[tuple[int, int]], seed: int = 0, decoder=None):
-    """After a 7-token prompt, append (num_tokens, num_rows) steps of random tokens; per step
-    (decode_logits through ``decoder``, default a new one, compute_logits(forward) through the
-    module path), each on its own cache."""
+def _logits_both_paths(model, steps: list[tuple[int, list[int]]], seed: int = 0, decoder=None):
+    """After a 7-token prompt, append (num_tokens, logit rows) steps of random tokens; per step
+    (``model.logits`` through ``decoder``, default a new one, compute_logits(forward) through
+    the module path), each on its own cache."""
     decoder = decoder or model.fused_decoder()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
-    prompt = torch.randint(0, vocab, (1, 7), generator=gen)
+    caches = [SequenceCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    prompt = torch.randint(0, vocab, (7,), generator=gen)
     pairs = []
     with torch.inference_mode():
-        for cache in caches:
-            model(prompt, cache, cache.append(7))
-        for num_tokens, num_rows in steps:
-            ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
-            got = model.decode_logits(ids, caches[0], caches[0].append(num_tokens), num_rows, decoder)
-            want = model.compute_logits(model(ids, caches[1], caches[1].append(num_tokens))[0, -num_rows:])
+        _pass(model, caches[0], prompt, decoder)
+        _pass(model, caches[1], prompt, None)
+        for num_tokens, rows in steps:
+            ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
+            input_ids, meta = caches[0].append(ids)
+            got = model.logits(input_ids, meta.positions, caches[0].kv_cache, meta, rows, decoder)
+            want = model.compute_logits(_pass(model, caches[1], ids, None)[rows])
             pairs.append((got, want))
     return pairs
 
@@ -127,33 +133,19 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
            _linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
     bad = ext.DecoderLayer(torch.ones(3, dtype=torch.bfloat16), layers[0].post_attention_layernorm.weight.detach(),
                            1e-6, *ops, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
-    hidden = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
-    cos = torch.ones(1, attn.head_dim, dtype=torch.bfloat16)
-    sin = torch.zeros(1, attn.head_dim, dtype=torch.bfloat16)
+    step = ext.PagedDecoder([bad] + decoder.layer_ops[1:], model.model.embed_tokens.weight.detach(), None, 0.0, None)
+    cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
+    ids, meta = cache.append([1])
+    cos, sin = model.model.rotary_emb.tables(1, model.dtype, cpu)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # the other thread must leave the region too, not hang at a barrier
         with pytest.raises(RuntimeError, match="weight"):
-            ext.decoder_forward([bad] + decoder.layer_ops[1:], hidden, cos, sin, cache.k[:, 0], cache.v[:, 0], 0)
+            step.forward(ids, None, meta.positions, cos, sin, cache.kv_cache.k, cache.kv_cache.v, meta.slot_mapping,
+                         meta.block_tables, meta.query_start_loc_tensor, meta.context_lens_tensor, None, False)
         assert all(torch.equal(got, want) for got, want in zip(_steps(model, True, 7, [1, 3]), expected))
     finally:
         torch.set_num_threads(threads)
-
-
-def test_fused_path_only_for_decode_shapes(tiny_models):
-    model = _model(tiny_models, "llama", "fp32", "dense")
-    cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
-    decoder = model.fused_decoder()
-    with torch.inference_mode():
-        assert not decoder.accepts(cache, cache.append(4))  # prefill
-        assert decoder.accepts(cache, cache.append(4))
-        assert not decoder.accepts(cache, cache.append(MAX_FUSED_TOKENS + 1))
-        bf16_cache = KVCache.from_config(model.config, 64, dtype=torch.bfloat16)
-        bf16_cache.append(2)
-        assert not decoder.accepts(bf16_cache, bf16_cache.append(1))  # a cache of another dtype
-    # Autograd needs the module path.
-    assert not decoder.accepts(cache, cache.append(4))
 
 
 def test_a_decoder_is_a_snapshot_of_the_modules_it_was_built_from(tiny_models):
@@ -162,67 +154,57 @@ def test_a_decoder_is_a_snapshot_of_the_modules_it_was_built_from(tiny_models):
     before = _steps(model, True, 5, [1])
     quantize_model(model, QUANTS["int4-g32-sym"], show_progress=False)
     after = _steps(model, True, 5, [1])
-    assert not torch.equal(before[0], after[0])
-    assert torch.equal(after[0], _steps(model, False, 5, [1])[0])
+    assert not torch.equal(before[-1], after[-1])
+    assert torch.equal(after[-1], _steps(model, False, 5, [1])[-1])
 
 
-@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-head6"])
+@pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-head6",
+                                   "int4-embed8"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
-def test_decode_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, dtype, quant):
-    # The final norm and the LM head run inside the C++ call (a weight-only head inside the
-    # decoder's region); the logits must equal the module path's, row for row.
+def test_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, dtype, quant):
+    # A weight-only LM head runs inside the C++ step's region, after the final norm; the logits
+    # must equal the module path's, row for row.
     model = _model(tiny_models, variant, dtype, quant)
-    steps = [(1, 1), (5, 5), (3, 1), (MAX_FUSED_TOKENS, 2)]
+    steps = [(1, [0]), (5, [0, 1, 2, 3, 4]), (3, [2]), (MAX_FUSED_TOKENS, [3, MAX_FUSED_TOKENS - 1])]
     decoder = model.fused_decoder()
-    for (_, num_rows), (got, want) in zip(steps, _decode_logits_both_paths(model, steps, decoder=decoder)):
-        assert got.shape == (num_rows, model.config.vocab_size) and got.dtype == torch.float32
+    for (_, rows), (got, want) in zip(steps, _logits_both_paths(model, steps, decoder=decoder)):
+        assert got.shape == (len(rows), model.config.vocab_size) and got.dtype == torch.float32
         assert torch.equal(got, want)
-    assert decoder.head_op(model.lm_head) is not None
+    assert decoder.has_head == (quant != "dense")
 
 
-def test_decoder_step_is_kept_per_cache_slot_and_rebuilt_for_another(tiny_models):
-    # decode_logits runs a C++ DecoderStep built for one cache slot: kept from step to step (a
-    # rebuild every step would cost about 0.3 ms), rebuilt when the cache, the rotary table or a
-    # weight it holds changes -- and always giving the module path's logits.
+def test_the_step_follows_the_cache_it_is_given(tiny_models):
+    # The C++ step keeps each layer's view of the pool from step to step, and makes them again
+    # for another pool: steps that alternate between two caches give the module path's logits.
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
-    steps = [(1, 1)] * 3 + [(4, 4)]
     decoder = model.fused_decoder()
-    for got, want in _decode_logits_both_paths(model, steps, decoder=decoder):
-        assert torch.equal(got, want)
-    step = decoder._step[2]
-    other = KVCache.from_config(model.config, 64, dtype=model.dtype)
-    with torch.inference_mode():
-        model(torch.zeros(1, 3, dtype=torch.long), other, other.append(3))
-        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1), decoder=decoder)
-        assert decoder._step[2] is not step
-        step = decoder._step[2]
-        model.decode_logits(torch.ones(1, 1, dtype=torch.long), other, other.append(1), decoder=decoder)
-        assert decoder._step[2] is step
-    for got, want in _decode_logits_both_paths(model, [(1, 1), (2, 1)], seed=3, decoder=decoder):  # other caches
-        assert torch.equal(got, want)
+    for seed in (0, 3, 0):
+        for got, want in _logits_both_paths(model, [(1, [0])] * 3 + [(4, [0, 3])], seed=seed, decoder=decoder):
+            assert torch.equal(got, want)
 
 
-def test_decoder_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_models):
+def test_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_models):
     # The step holds the final norm's and the embedding's storage: a `.data` swap (same
     # Parameter objects, same caches) or a new eps must not leave it computing with old values.
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(5)
-    caches = [KVCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
+    caches = [SequenceCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]
     norm, embed = model.model.norm, model.model.embed_tokens
     decoder = model.fused_decoder()
 
     def step_both_paths() -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.randint(0, vocab, (1, 1), generator=gen)
-        got = model.decode_logits(ids, caches[0], caches[0].append(1), decoder=decoder)
-        want = model.compute_logits(model(ids, caches[1], caches[1].append(1))[0, -1:])
+        ids = torch.randint(0, vocab, (1,), generator=gen)
+        input_ids, meta = caches[0].append(ids)
+        got = model.logits(input_ids, meta.positions, caches[0].kv_cache, meta, [0], decoder)
+        want = model.compute_logits(_pass(model, caches[1], ids, None))
         return got, want
 
     with torch.inference_mode():
-        prompt = torch.randint(0, vocab, (1, 5), generator=gen)
-        for cache in caches:
-            model(prompt, cache, cache.append(5))
+        prompt = torch.randint(0, vocab, (5,), generator=gen)
+        _pass(model, caches[0], prompt, decoder)
+        _pass(model, caches[1], prompt, None)
         got, want = step_both_paths()
         assert torch.equal(got, want)
         norm.weight.data = torch.rand(norm.weight.shape, generator=gen).to(model.dtype) + 0.5
@@ -237,31 +219,30 @@ def test_decoder_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_mod
             assert torch.equal(got, want)
 
 
-def test_decoder_step_rejects_token_ids_outside_the_vocabulary(tiny_models):
+def test_step_rejects_token_ids_outside_the_vocabulary_and_bad_rows(tiny_models):
     model = _model(tiny_models, "llama", "fp32", "int4-g32-sym")
-    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
+    decoder = model.fused_decoder()
     with torch.inference_mode():
-        model(torch.zeros(1, 3, dtype=torch.long), cache, cache.append(3))
-        with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            model.decode_logits(torch.tensor([[model.config.vocab_size]]), cache, cache.append(1),
-                                decoder=model.fused_decoder())
+        _pass(model, cache, torch.zeros(3, dtype=torch.long), decoder)
+        input_ids, meta = cache.append([model.config.vocab_size])
+        with pytest.raises(RuntimeError, match="token id .* is outside"):
+            model.logits(input_ids, meta.positions, cache.kv_cache, meta, [0], decoder)
+        input_ids, meta = cache.append([1, 2])
+        with pytest.raises(RuntimeError, match="logit row out of range"):
+            model.logits(input_ids, meta.positions, cache.kv_cache, meta, [2], decoder)
 
 
-def test_decode_logits_rejects_bad_rows(tiny_models):
-    model = _model(tiny_models, "llama", "fp32", "dense")
-    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
-    with torch.inference_mode(), pytest.raises(ValueError, match="logit rows"):
-        model.decode_logits(torch.zeros(1, 2, dtype=torch.long), cache, cache.append(2), 3)
-
-
-def test_decode_logits_runs_forward_hooks(tiny_models):
+def test_hooks_leave_the_model_to_the_module_path(tiny_models):
+    # Calibration observes module calls: with hooks registered there is no C++ step to skip them.
     model = _model(tiny_models, "llama", "bf16", "int4-g32-sym")
-    cache = KVCache.from_config(model.config, 64, dtype=model.dtype)
+    cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     calls = []
-    model.model.register_forward_hook(lambda *args: calls.append(1))
+    model.model.layers[0].mlp.register_forward_hook(lambda *args: calls.append(1))
+    assert model.fused_decoder() is None
     with torch.inference_mode():
-        model(torch.zeros(1, 4, dtype=torch.long), cache, cache.append(4))
-        model.decode_logits(torch.zeros(1, 1, dtype=torch.long), cache, cache.append(1))
+        _pass(model, cache, torch.zeros(4, dtype=torch.long), model.fused_decoder())
+        _pass(model, cache, torch.zeros(1, dtype=torch.long), model.fused_decoder())
     assert len(calls) == 2
 
 
@@ -286,9 +267,9 @@ def test_output_projection_and_head_biases_match_module_path(tiny_models, dtype,
     for got, want in zip(fused, reference):
         assert torch.equal(got, want)
     decoder = model.fused_decoder()
-    [(got, want)] = _decode_logits_both_paths(model, [(3, 3)], seed=1, decoder=decoder)
+    [(got, want)] = _logits_both_paths(model, [(3, [0, 1, 2])], seed=1, decoder=decoder)
     assert torch.equal(got, want)
-    assert decoder.head_op(model.lm_head) is not None
+    assert decoder.has_head == (quant != "dense")
 
 
 def _paged_steps(model, decoder) -> list[torch.Tensor]:
@@ -305,7 +286,7 @@ def _paged_steps(model, decoder) -> list[torch.Tensor]:
     with torch.inference_mode():
         for step in steps:
             ids, meta, _ = paged_batch([(tokens[seq], start, num, tables[seq]) for seq, start, num in step], block_size)
-            out.append(model(ids, cache, meta, decoder))
+            out.append(model(ids, meta.positions, cache, meta, decoder))
     return out
 
 
@@ -315,7 +296,7 @@ def _paged_steps(model, decoder) -> list[torch.Tensor]:
 def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
     model = _model(tiny_models, variant, dtype, quant)
     with torch.inference_mode():
-        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+        decoder = FusedDecoder.build(model.model, model.lm_head, model.dtype, model.device, model.min_rows)
     assert decoder is not None and decoder.is_weight_only
     for got, want in zip(_paged_steps(model, decoder), _paged_steps(model, None)):
         assert torch.equal(got, want)
@@ -340,7 +321,7 @@ def test_paged_dense_decoder_matches_module_path_bitwise(tiny_models, variant, d
 def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, variant, dtype):
     model = _model(tiny_models, variant, dtype, "int4-head6")  # a weight-only LM head
     with torch.inference_mode():
-        decoder = FusedDecoder.build(model.model.layers, model.dtype, model.device, model.min_rows)
+        decoder = FusedDecoder.build(model.model, model.lm_head, model.dtype, model.device, model.min_rows)
     block_size, vocab = 4, model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, vocab, (20,), generator=gen).tolist() for _ in range(2)]
@@ -352,9 +333,10 @@ def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, va
             ids, meta, starts = paged_batch([(tokens[seq], start, num, list(range(seq * 8, seq * 8 + 8)))
                                              for seq, start, num in step], block_size)
             rows = [2, starts[1] - 1, starts[-1] - 1]
-            got = model.paged_logits(ids, caches[0], meta, decoder, rows)
-            assert got is not None and got.dtype == torch.float32
-            want = model.compute_logits(model(ids, caches[1], meta)[0, rows])
+            assert decoder.has_head
+            got = model.logits(ids, meta.positions, caches[0], meta, rows, decoder)
+            assert got.dtype == torch.float32
+            want = model.compute_logits(model(ids, meta.positions, caches[1], meta)[rows])
             assert torch.equal(got, want)
 
 

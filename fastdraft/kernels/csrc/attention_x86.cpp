@@ -1,7 +1,8 @@
-// Decode attention (AVX-512, AVX512-BF16 where the CPU has it): a few new query tokens of one
-// sequence over its cached keys and values, split into (head, key block) items that any thread
-// may run, and a serial finish that merges the blocks' partial softmaxes (flash-decoding).
-// Reference twin: fastdraft/kernels/fused.py::reference_decode_attention.
+// Paged attention (AVX-512, AVX512-BF16 where the CPU has it): the new query tokens of a flat
+// batch of sequences over their cached keys and values in a block pool, split into (sequence,
+// kv head, key block) items that any thread may run, and a finish that merges the blocks'
+// partial softmaxes (flash-decoding).
+// Reference twin: fastdraft/kernels/fused.py::reference_paged_attention.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -36,16 +37,8 @@ inline void prefetch_row(const at::BFloat16* p, int64_t count) {
   for (int64_t b = 0; b < 2 * count; b += 64) _mm_prefetch(c + b, L2_PREFETCH ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
-// Where key (or value) row l lies. A sequence's rows are either one strided run (a
-// contiguous cache slot) or blocks of a paged pool found through its block table; the kernels
-// below take either as a template argument, so the contiguous path compiles as before.
-template <typename T>
-struct StridedRows {
-  const T* base;
-  int64_t stride;
-  const T* operator()(int64_t l) const { return base + l * stride; }
-};
-
+// Where key (or value) row l of a sequence lies: in the blocks of a paged pool, found through
+// its block table.
 template <typename T>
 struct BlockRows {
   const T* base;         // this layer's pool at this kv head: block b's row i is base + b * block_stride + i * d
@@ -332,106 +325,6 @@ void attend_split(const float* q, const uint32_t* q_pairs, float scale, const Ro
 
 }  // namespace
 
-// q [B, H, R, D] (scaled inside), k/v [B, H, L, D] with unit last stride -> out [B, H, R, D].
-// The R rows are `num_tokens` consecutive query tokens (token-major: R / num_tokens rows each,
-// e.g. grouped heads), the last of which is key L - 1: token t sees keys 0..L - num_tokens + t,
-// causal as in speculative verification. Each row's arithmetic is the same whatever the
-// other rows, so verifying T tokens at once is bit-identical to T one-token decode steps.
-// bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
-// (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
-// does; the softmax itself is fp32.
-void fastdraft::attention_replan(AttentionPlan& p, const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, double scale, int64_t num_tokens, int64_t len) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "q, k, v: one dtype, f32 or bf16");
-  TORCH_CHECK(len <= k.size(2), "len exceeds the keys");
-  if (len < 0) len = k.size(2);
-  p.batch = q.size(0), p.heads = q.size(1), p.rows = q.size(2), p.head_dim = q.size(3), p.len = len;
-  const int64_t b = p.batch, h = p.heads, rows = p.rows, d = p.head_dim;
-  TORCH_CHECK(k.size(0) == b && k.size(1) == h && k.size(3) == d && v.sizes() == k.sizes(), "k/v shape mismatch");
-  TORCH_CHECK(d % 16 == 0 && d <= 256 && len > 0, "head_dim must be a multiple of 16 up to 256");
-  TORCH_CHECK(num_tokens >= 1 && rows % num_tokens == 0 && num_tokens <= len, "rows must be num_tokens groups");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k/v rows must be contiguous");
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  p.q = q, p.k = k, p.v = v, p.scale = static_cast<float>(scale);
-  // bf16 dot products take q as it is (pairs of bf16 as dwords) and scale the fp32 scores;
-  // the fp32 path takes q pre-scaled (attention_scale_q).
-  p.is_bf16_dot = q.scalar_type() == at::kBFloat16 && d % 32 == 0 && fastdraft::cpu_has_avx512_bf16();
-  if (p.is_bf16_dot) {
-    p.q_pairs = q;  // [B, H, R, D]
-  } else if (!p.qf.defined() || p.qf.sizes() != q.sizes()) {
-    p.qf = torch::empty(q.sizes(), q.options().dtype(at::kFloat));  // [B, H, R, D]
-  }
-  p.row_len.resize(rows);
-  const int64_t rows_per_token = rows / num_tokens;
-  for (int64_t r = 0; r < rows; ++r) p.row_len[r] = len - num_tokens + 1 + r / rows_per_token;
-  p.splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
-  p.num_items = b * h * p.splits;
-  p.pmax.resize(p.num_items * rows);
-  p.psum.resize(p.num_items * rows);
-  p.pacc.resize(p.num_items * rows * d);
-}
-
-void fastdraft::attention_scale_q(AttentionPlan& p, int64_t h0, int64_t h1) {
-  if (p.is_bf16_dot) return;
-  const int64_t per_head = p.rows * p.head_dim;
-  // As (q.to(float) * scale) would: one fp32 product per element.
-  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
-    if (bh % p.heads < h0 || bh % p.heads >= h1) continue;
-    float* out = p.qf.data_ptr<float>() + bh * per_head;
-    const __m512 scale = _mm512_set1_ps(p.scale);
-    with_dtype(p.q, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      const T* in = p.q.data_ptr<T>() + bh * per_head;
-      for (int64_t i = 0; i < per_head; i += 16) store16(out + i, _mm512_mul_ps(load16(in + i, 0xffff), scale), 0xffff);
-    });
-  }
-}
-
-fastdraft::AttentionPlan fastdraft::attention_plan(const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v, double scale, int64_t num_tokens,
-                                                   int64_t len) {
-  AttentionPlan p;
-  attention_replan(p, q.contiguous(), k, v, scale, num_tokens, len);
-  attention_scale_q(p, 0, p.heads);
-  return p;
-}
-
-void fastdraft::attention_items(AttentionPlan& p, int64_t i0, int64_t i1) {
-  const int64_t h = p.heads, rows = p.rows, d = p.head_dim, len = p.len, splits = p.splits;
-  const torch::Tensor &k = p.k, &v = p.v;
-  std::vector<int64_t> num_keys(rows);
-  for (int64_t it = i0; it < i1; ++it) {
-    const int64_t bh = it / splits, sp = it % splits;
-    const int64_t bi = bh / h, hi = bh % h;
-    const int64_t l0 = sp * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
-    for (int64_t r = 0; r < rows; ++r) num_keys[r] = std::clamp<int64_t>(p.row_len[r] - l0, 0, l1 - l0);
-    const float* qp = p.is_bf16_dot ? nullptr : p.qf.data_ptr<float>() + bh * rows * d;
-    float* mo = p.pmax.data() + it * rows;
-    float* so = p.psum.data() + it * rows;
-    float* ao = p.pacc.data() + it * rows * d;
-    if (k.scalar_type() == at::kFloat) {
-      const float* kp = k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1);
-      const float* vp = v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1);
-      attend_split<float, false>(qp, nullptr, 1.0f, StridedRows<float>{kp, k.stride(2)},
-                                 StridedRows<float>{vp, v.stride(2)}, rows, d, l0, l1, num_keys.data(), mo, so, ao);
-    } else {
-      const at::BFloat16* kp = k.data_ptr<at::BFloat16>() + bi * k.stride(0) + hi * k.stride(1);
-      const at::BFloat16* vp = v.data_ptr<at::BFloat16>() + bi * v.stride(0) + hi * v.stride(1);
-      const uint32_t* pairs = p.is_bf16_dot
-          ? reinterpret_cast<const uint32_t*>(p.q_pairs.data_ptr<at::BFloat16>()) + bh * rows * d / 2 : nullptr;
-      const StridedRows<at::BFloat16> k_rows{kp, k.stride(2)}, v_rows{vp, v.stride(2)};
-      if (fastdraft::is_amd_cpu())  // into L2 there, see kKeysAhead
-        attend_split<at::BFloat16, true>(qp, pairs, p.scale, k_rows, v_rows, rows, d, l0, l1, num_keys.data(), mo, so,
-                                         ao);
-      else
-        attend_split<at::BFloat16, false>(qp, pairs, p.scale, k_rows, v_rows, rows, d, l0, l1, num_keys.data(), mo, so,
-                                          ao);
-    }
-  }
-}
-
 namespace {
 
 // Merges one query row's per-split partial softmaxes (flash-decoding) into out + off:
@@ -461,43 +354,7 @@ void merge_splits(int64_t num_splits, const MaxOf& max_of, const SumOf& sum_of, 
   }
 }
 
-// Combines the splits of row r of batch-head bh into out + off.
-void finish_row(const fastdraft::AttentionPlan& p, int64_t bh, int64_t r, const torch::Tensor& out, int64_t off) {
-  const int64_t rows = p.rows, d = p.head_dim, splits = p.splits;
-  const int64_t row_splits = (p.row_len[r] + kKeysPerSplit - 1) / kKeysPerSplit;
-  const auto item = [&](int64_t sp) { return (bh * splits + sp) * rows + r; };
-  merge_splits(
-      row_splits, [&](int64_t sp) { return p.pmax[item(sp)]; }, [&](int64_t sp) { return p.psum[item(sp)]; },
-      [&](int64_t sp) { return p.pacc.data() + item(sp) * d; }, d, out, off);
-}
-
 }  // namespace
-
-torch::Tensor fastdraft::attention_finish(const AttentionPlan& p) {
-  auto out = torch::empty({p.batch, p.heads, p.rows, p.head_dim}, p.q.options());
-  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
-    for (int64_t r = 0; r < p.rows; ++r) finish_row(p, bh, r, out, (bh * p.rows + r) * p.head_dim);
-  return out;
-}
-
-void fastdraft::attention_finish_tokens_heads(const AttentionPlan& p, int64_t num_tokens, const torch::Tensor& out,
-                                              int64_t j0, int64_t j1) {
-  TORCH_CHECK(p.batch == 1 && num_tokens >= 1 && p.rows % num_tokens == 0, "rows must be num_tokens groups of one batch");
-  const int64_t group = p.rows / num_tokens, num_q_heads = p.heads * group;
-  TORCH_CHECK(out.is_contiguous() && out.numel() == num_tokens * num_q_heads * p.head_dim &&
-                  out.scalar_type() == p.q.scalar_type() && 0 <= j0 && j0 <= j1 && j1 <= num_q_heads,
-              "out must be [num_tokens, heads * head_dim] in q's dtype");
-  // Query head j is row j % group of kv head j / group; out is [T, H, group, D].
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t t = 0; t < num_tokens; ++t)
-      finish_row(p, j / group, t * group + j % group, out, (t * num_q_heads + j) * p.head_dim);
-}
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens) {
-  auto plan = fastdraft::attention_plan(q, k, v, scale, num_tokens);
-  at::parallel_for(0, plan.num_items, 1, [&](int64_t i0, int64_t i1) { fastdraft::attention_items(plan, i0, i1); });
-  return fastdraft::attention_finish(plan);
-}
 
 int64_t fastdraft::PagedAttentionPlan::q_offset(int64_t t, int64_t g) const {
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -659,10 +516,13 @@ void fastdraft::paged_attention_finish_heads(const PagedAttentionPlan& p, const 
 // back to back (sequence s: query_start_loc[s]..query_start_loc[s + 1]); k/v_blocks
 // [num_blocks, kv_heads, block_size, D]; sequence s's keys are positions 0..context_lens[s] - 1
 // in the blocks of block_tables[s], its new tokens the last ones, each seeing the keys up to
-// its own. -> out [T, H, D]. Every query row is computed as decode_attention computes it: the
-// same fixed 256-key splits, the same per-row arithmetic, whatever the other rows, the other
-// sequences or the number of new tokens, so prefill, chunked prefill, decode and verification
-// give a row bit-identical results, equal to decode_attention's over the same keys.
+// its own. -> out [T, H, D]. Every query row is computed as a one-token step over the same keys
+// computes it: the same fixed 256-key splits, the same per-row arithmetic, whatever the other
+// rows, the other sequences or the number of new tokens, so prefill, chunked prefill, decode
+// and verification give a row bit-identical results.
+// bf16 inputs on CPUs with AVX512-BF16 use bf16 dot products with fp32 accumulation for q K^T
+// (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
+// does; the softmax itself is fp32.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_blocks, torch::Tensor v_blocks, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_blocks.scalar_type(), "q must be [T, H, D] in the blocks' dtype");

@@ -1,15 +1,17 @@
-// A whole Llama-style decoder stack for decode and speculative verification (a few tokens of
-// one sequence appended to its cached prefix), run as one C++ call per forward pass.
+// A whole Llama-style decoder for a flat batch of sequences over a paged KV pool (the
+// serving engine's step: prefill, chunked prefill, decode and speculative verification alike),
+// run as one C++ call per forward pass: embedding rows, rotary rows, every layer, the final
+// norm and a weight-only LM head.
 //
 // At batch 1 the per-layer work is a handful of weight-bound matmuls plus small elementwise
 // ops; driving ~15 ops per layer from Python costs more than the elementwise work itself
 // (~5 ms of a ~25 ms 1.5B INT4 step). This file strings together the same kernels the Python
-// path calls (rms_norm, woq_linear, rotary, decode_attention, silu_and_mul), in the same order
+// path calls (rms_norm, woq_linear, rotary, paged_attention, silu_and_mul), in the same order
 // and dtypes, so both paths give bit-identical results.
 // The twin is the PyTorch module path in fastdraft/models/llama.py.
 //
-// Two drivers: layer_forward calls the public ops one by one (each its own fork/join), and
-// serves stacks with dense (bf16/fp32) projections, whose oneDNN GEMMs need their own
+// Two drivers: layer_forward_paged calls the public ops one by one (each its own fork/join),
+// and serves stacks with dense (bf16/fp32) projections, whose oneDNN GEMMs need their own
 // threads. Weight-only stacks run decoder_forward_region: every layer inside one parallel
 // region, with work stealing between the threads.
 #include <torch/extension.h>
@@ -33,7 +35,6 @@
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens);
 torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
                          int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const);
 
@@ -112,34 +113,6 @@ struct DecoderLayer {
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
 };
-
-// h [T, hidden] -> h after the layer; writes the T new keys/values at start..start+T-1.
-torch::Tensor layer_forward(const DecoderLayer& layer, const torch::Tensor& h, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            int64_t start) {
-  const int64_t num_tokens = h.size(0), d = layer.head_dim;
-  const int64_t q_size = layer.num_heads * d, kv_size = layer.num_kv_heads * d;
-  const int64_t group = layer.num_heads / layer.num_kv_heads;
-  auto qkv = (*layer.qkv)(rms_norm(h, layer.input_norm, layer.eps));  // [T, q_size + 2 * kv_size]
-  auto q = rotary(qkv.narrow(1, 0, q_size), cos, sin, layer.num_heads, d);  // [T, q_size]
-  auto k = rotary(qkv.narrow(1, q_size, kv_size), cos, sin, layer.num_kv_heads, d);
-  auto v = qkv.narrow(1, q_size + kv_size, kv_size);
-  // Cache [kv_heads, max_seq_len, head_dim] <- [T, kv_heads, head_dim]
-  k_cache.narrow(1, start, num_tokens).copy_(k.view({num_tokens, layer.num_kv_heads, d}).transpose(0, 1));
-  v_cache.narrow(1, start, num_tokens).copy_(v.view({num_tokens, layer.num_kv_heads, d}).transpose(0, 1));
-  // Token t sees exactly its prefix (causal over the new tokens); grouped query heads fold
-  // into the row axis, token-major: [1, kv_heads, T * group, head_dim].
-  auto q_rows = q.view({num_tokens, layer.num_kv_heads, group, d}).permute({1, 0, 2, 3})
-                    .reshape({1, layer.num_kv_heads, num_tokens * group, d});
-  auto keys = k_cache.narrow(1, 0, start + num_tokens).unsqueeze(0);  // [1, kv_heads, L, head_dim]
-  auto values = v_cache.narrow(1, 0, start + num_tokens).unsqueeze(0);
-  auto attn = decode_attention(q_rows, keys, values, layer.scale, num_tokens)
-                  .view({layer.num_kv_heads, num_tokens, group, d}).permute({1, 0, 2, 3})
-                  .reshape({num_tokens, q_size});  // [T, q_size]
-  auto hidden = h + (*layer.o_proj)(attn);
-  auto gate_up = (*layer.gate_up)(rms_norm(hidden, layer.post_attention_norm, layer.eps));
-  return hidden + (*layer.down)(silu_and_mul(gate_up));
-}
 
 // Items [0, n) shared by the threads of a region: each thread starts with a contiguous share
 // and takes chunks from its front; a thread that runs out takes chunks from the back of
@@ -345,109 +318,59 @@ std::pair<int64_t, int64_t> unit_share(int tid, int num_threads, int64_t n, int6
 // its own columns (the ones it then quantizes) or its own heads, so no step needs a second
 // barrier. Thread 0 also binds each projection object to its next layer while no thread uses
 // it. The arithmetic is the ops' own, in the same order: results are bit-identical to
-// layer_forward.
+// layer_forward_paged and to the module path.
 // At the end of each elementwise step every thread prefetches this much of its next weights:
 // 256 KB costs more on the critical path than it saves (issuing 4096 prefetches stalls the
 // thread).
 constexpr int64_t kSectionPrefetchBytes = 64 * 1024;
 
-// Each layer's part of one sequence's KV cache as the kernels take it: [kv_heads, max_seq_len,
-// head_dim] (k, v) and [1, ...] (k4, v4). Made once per cache by a DecoderStep: with the weights
-// streaming through the caches, the 4 views per layer cost about 0.1 ms a step if made afresh.
-struct LayerCaches {
-  std::vector<torch::Tensor> k, v, k4, v4;
-  int64_t max_seq_len = 0;
-
-  LayerCaches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t num_layers) {
-    TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) >= num_layers &&
-                    v_cache.sizes() == k_cache.sizes(),
-                "k/v cache must be [>= num_layers, kv_heads, max_seq_len, head_dim]");
-    max_seq_len = k_cache.size(2);
-    for (int64_t i = 0; i < num_layers; ++i) {
-      k.push_back(k_cache[i]);
-      v.push_back(v_cache[i]);
-      k4.push_back(k.back().unsqueeze(0));
-      v4.push_back(v.back().unsqueeze(0));
-    }
-  }
-};
-
 // Where a forward pass's keys and values go and how its attention runs, for the region below:
-// one sequence's contiguous cache slot (decode and verification), or a flat batch of sequences
-// over a paged pool (the serving engine). replan runs on one thread while no thread uses the
-// plan; rope on each thread's kv heads; items from any thread; finish on each thread's heads.
-struct ContiguousAttention {
-  const LayerCaches& caches;
-  int64_t start;
-  torch::Tensor q_rows;  // [1, kv_heads, T * group, head_dim]
-  fastdraft::AttentionPlan plan;
-
-  void replan(const DecoderLayer& layer, int i, int64_t num_tokens) {
-    if (!q_rows.defined())
-      q_rows = torch::empty({1, layer.num_kv_heads, num_tokens * (layer.num_heads / layer.num_kv_heads), layer.head_dim},
-                            caches.k[i].options());
-    fastdraft::attention_replan(plan, q_rows, caches.k4[i], caches.v4[i], layer.scale, num_tokens, start + num_tokens);
-  }
-  int64_t num_items() const { return plan.num_items; }
-  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const DecoderLayer& layer,
-            int i, int64_t kv0, int64_t kv1) {
-    fastdraft::rope_to_cache_heads(qkv, cos, sin, layer.num_heads, layer.num_kv_heads, layer.head_dim, caches.k[i],
-                                   caches.v[i], start, q_rows, kv0, kv1);
-    fastdraft::attention_scale_q(plan, kv0, kv1);
-  }
-  void items(int64_t begin, int64_t end) { fastdraft::attention_items(plan, begin, end); }
-  void finish(int64_t num_tokens, const torch::Tensor& out, int64_t j0, int64_t j1) const {
-    fastdraft::attention_finish_tokens_heads(plan, num_tokens, out, j0, j1);
-  }
-};
-
+// a flat batch of sequences over a paged pool. replan runs on one thread while no thread uses
+// the plan; rope on each thread's kv heads; items from any thread; finish on each thread's heads.
 struct PagedAttention {
   std::vector<torch::Tensor> k_blocks, v_blocks;  // per layer [num_blocks, kv_heads, block_size, head_dim]
   torch::Tensor slot_mapping, block_tables, query_start_loc, context_lens;
   fastdraft::PagedAttentionPlan plan;
 
-  void replan(const DecoderLayer& layer, int i, int64_t /*num_tokens*/) {
+  void replan(const DecoderLayer& layer, int i) {
     fastdraft::paged_attention_replan(plan, k_blocks[i].scalar_type(), layer.num_heads, k_blocks[i], v_blocks[i],
                                       block_tables, query_start_loc, context_lens, layer.scale);
   }
   int64_t num_items() const { return plan.num_items(); }
-  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const DecoderLayer& /*layer*/,
-            int /*i*/, int64_t kv0, int64_t kv1) {
+  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t kv0, int64_t kv1) {
     fastdraft::rope_to_paged_cache_heads(qkv, cos, sin, slot_mapping, plan, kv0, kv1);
     fastdraft::paged_attention_scale_q(plan, kv0, kv1);
   }
   void items(int64_t begin, int64_t end) { fastdraft::paged_attention_items(plan, begin, end); }
-  void finish(int64_t /*num_tokens*/, const torch::Tensor& out, int64_t j0, int64_t j1) const {
+  void finish(const torch::Tensor& out, int64_t j0, int64_t j1) const {
     fastdraft::paged_attention_finish_heads(plan, out, j0, j1);
   }
 };
 
 // One layer of a flat batch over a paged pool with dense (or mixed) projections, whose oneDNN
-// GEMMs need their own threads: the ops one by one, as layer_forward runs them, with the
+// GEMMs need their own threads: the ops one by one, as the module path runs them, with the
 // region's paged attention steps in between, so the results are the module path's bit for bit.
 torch::Tensor layer_forward_paged(const DecoderLayer& layer, int i, const torch::Tensor& h, const torch::Tensor& cos,
                                   const torch::Tensor& sin, PagedAttention& attention, bool is_batch_invariant) {
   const int64_t num_tokens = h.size(0);
   auto qkv = (*layer.qkv)(rms_norm(h, layer.input_norm, layer.eps), is_batch_invariant).contiguous();
-  attention.replan(layer, i, num_tokens);
-  at::parallel_for(0, layer.num_kv_heads, 1,
-                   [&](int64_t g0, int64_t g1) { attention.rope(qkv, cos, sin, layer, i, g0, g1); });
+  attention.replan(layer, i);
+  at::parallel_for(0, layer.num_kv_heads, 1, [&](int64_t g0, int64_t g1) { attention.rope(qkv, cos, sin, g0, g1); });
   at::parallel_for(0, attention.num_items(), 1, [&](int64_t i0, int64_t i1) { attention.items(i0, i1); });
   auto attn = torch::empty({num_tokens, layer.num_heads * layer.head_dim}, h.options());  // [T, q_size]
   at::parallel_for(0, layer.num_heads, 1,
-                   [&](int64_t j0, int64_t j1) { attention.finish(num_tokens, attn, j0, j1); });
+                   [&](int64_t j0, int64_t j1) { attention.finish(attn, j0, j1); });
   auto hidden = h + (*layer.o_proj)(attn, is_batch_invariant);
   auto gate_up = (*layer.gate_up)(rms_norm(hidden, layer.post_attention_norm, layer.eps), is_batch_invariant);
   return hidden + (*layer.down)(silu_and_mul(gate_up), is_batch_invariant);
 }
 
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
-// logits of the last num_logit_rows rows, the head run inside the region like a projection.
-template <typename Attention>
+// head's output for the rows logit_rows [n] names, the head run inside the region like a projection.
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, Attention& attention,
+                                     const torch::Tensor& cos, const torch::Tensor& sin, PagedAttention& attention,
                                      const torch::Tensor& final_norm, double eps, const Linear* head,
-                                     int64_t num_logit_rows, const torch::Tensor& logit_rows = torch::Tensor()) {
+                                     const torch::Tensor& logit_rows) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
   const DecoderLayer& first = *layers[0];
@@ -469,12 +392,13 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   gate_up.bind(*first.gate_up, num_tokens, options, nth);
   down.bind(*first.down, num_tokens, options, nth);
   Projection lm_head;
-  if (head) lm_head.bind(*head, num_logit_rows, options, nth);
-  // The head's input rows: the last num_logit_rows, or those logit_rows names (copied from
-  // the normed rows column by column, as each thread finishes its columns).
-  const bool is_gathered = logit_rows.defined();
-  const torch::Tensor head_rows = is_gathered ? torch::empty({logit_rows.size(0), hidden_size}, options)
-                                              : normed.narrow(0, num_tokens - num_logit_rows, num_logit_rows);
+  // The head's input rows, those logit_rows names: copied from the normed rows column by
+  // column, as each thread finishes its columns.
+  torch::Tensor head_rows;
+  if (head) {
+    lm_head.bind(*head, logit_rows.size(0), options, nth);
+    head_rows = torch::empty({logit_rows.size(0), hidden_size}, options);
+  }
   WorkSplit attention_split;
   std::vector<int64_t> attention_shares(nth + 1);
   std::exception_ptr error;
@@ -516,7 +440,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
                                              std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
         if (tid == 0) {
-          attention.replan(layer, i, num_tokens);
+          attention.replan(layer, i);
           for (int t = 0; t <= nth; ++t) attention_shares[t] = attention.num_items() * t / nth;
           attention_split.reset(attention_shares, 1);
           gate_up.bind(*layer.gate_up, num_tokens, options, nth);
@@ -535,7 +459,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           qkv.add_bias(q_size + kv0 * d, q_size + kv1 * d);
           qkv.add_bias(q_size + kv_size + kv0 * d, q_size + kv_size + kv1 * d);
         }
-        attention.rope(qkv.out(), cos, sin, layer, i, kv0, kv1);
+        attention.rope(qkv.out(), cos, sin, kv0, kv1);
         if (tid == 0) down.bind(*layer.down, num_tokens, options, nth);
         o_proj.prefetch_share(tid, kSectionPrefetchBytes);
       });
@@ -547,7 +471,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       guarded([&] {
         const int64_t heads_per_unit = std::lcm(o_proj.unit(), d) / d;
         const auto [j0, j1] = unit_share(tid, nth, num_heads, heads_per_unit);
-        attention.finish(num_tokens, attn_out, j0, j1);
+        attention.finish(attn_out, j0, j1);
         if (j0 < j1) o_proj.quantize(attn_out, j0 * d, j1 == num_heads ? o_proj.k_pad() : j1 * d);
         if (tid == 0 && i + 1 < num_layers) qkv.bind(*layers[i + 1]->qkv, num_tokens, options, nth);
       });
@@ -599,7 +523,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
                                  : unit_share(tid, nth, hidden_size, 16);
       fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
                                            std::min(c0, hidden_size), std::min(c1, hidden_size));
-      if (head && is_gathered) {
+      if (head) {
         const int64_t h0 = std::min(c0, hidden_size), h1 = std::min(c1, hidden_size);
         const int64_t* rows = logit_rows.data_ptr<int64_t>();
         for (int64_t r = 0; r < head_rows.size(0); ++r)
@@ -635,41 +559,17 @@ bool is_all_weight_only(const std::vector<std::shared_ptr<DecoderLayer>>& layers
   return true;
 }
 
-// decoder_forward's work, on checked arguments: h [T, hidden], c/s [T, head_dim] contiguous.
-torch::Tensor run_decoder(const std::vector<std::shared_ptr<DecoderLayer>>& layers, bool is_weight_only,
-                          torch::Tensor h, const torch::Tensor& c, const torch::Tensor& s, const LayerCaches& caches,
-                          int64_t start, const torch::Tensor& norm, double eps, const std::shared_ptr<Linear>& head,
-                          int64_t num_logit_rows) {
-  TORCH_CHECK(start >= 0 && start + h.size(0) <= caches.max_seq_len, "tokens do not fit in the KV cache");
-  TORCH_CHECK(!head || norm.defined(), "a head needs the final norm");
-  TORCH_CHECK(!head || (num_logit_rows >= 1 && num_logit_rows <= h.size(0)), "num_logit_rows out of range");
-  torch::NoGradGuard no_grad;
-  if (is_weight_only) {
-    const bool is_head_inside = head && head->is_weight_only();
-    ContiguousAttention attention{caches, start};
-    auto out = decoder_forward_region(layers, h, c, s, attention, norm, eps, is_head_inside ? head.get() : nullptr,
-                                      num_logit_rows);
-    if (!head || is_head_inside) return out;
-    return (*head)(out.narrow(0, out.size(0) - num_logit_rows, num_logit_rows).contiguous());
-  }
-  for (size_t i = 0; i < layers.size(); ++i)
-    h = layer_forward(*layers[i], h, c, s, caches.k[i], caches.v[i], start);
-  if (!norm.defined()) return h;
-  h = rms_norm(h, norm, eps);
-  if (!head) return h;
-  return (*head)(h.narrow(0, h.size(0) - num_logit_rows, num_logit_rows).contiguous());
-}
-
-// Rows ids [T] of the table [vocab, hidden]: plain copies, as an embedding lookup is (index_select's
-// dispatch alone costs about 40 us a step).
-torch::Tensor embedding_rows(const torch::Tensor& table, const torch::Tensor& ids) {
+// Rows ids [T] of table [rows, width]: plain copies, as an embedding lookup is (index_select's
+// dispatch alone costs about 40 us a step). `what` names an id in the error for one out of range.
+torch::Tensor table_rows(const torch::Tensor& table, const torch::Tensor& ids, const char* what) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, what, "s must be a 1-D int64 tensor");
   const auto ids_c = ids.contiguous();
-  const int64_t num_ids = ids_c.size(0), vocab = table.size(0);
+  const int64_t num_ids = ids_c.size(0), num_rows = table.size(0);
   auto out = torch::empty({num_ids, table.size(1)}, table.options());
   const size_t row_bytes = table.size(1) * table.element_size();
   const int64_t* id = ids_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_ids; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "token id ", id[i], " is outside the vocabulary [0, ", vocab, ")");
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, what, " ", id[i], " is outside [0, ", num_rows, ")");
     std::memcpy(static_cast<char*>(out.data_ptr()) + i * row_bytes,
                 static_cast<const char*>(table.data_ptr()) + id[i] * row_bytes, row_bytes);
   }
@@ -692,107 +592,111 @@ torch::Tensor to_float(const torch::Tensor& x) {
   return out;
 }
 
-// A decode or verification step from token ids to fp32 logits, for one sequence in one KV
-// cache slot. The embedding rows, the rotary rows and the logits' conversion to fp32 are
-// taken here rather than by separate Python calls: with the weights streaming through the
-// caches each of those costs 40-110 us a step, about 2% of a 1.5B INT4 step in all.
-struct DecoderStep {
-  std::vector<std::shared_ptr<DecoderLayer>> layers;
-  bool is_weight_only;
-  torch::Tensor embed, cos_table, sin_table, final_norm;  // [vocab, hidden], [positions, head_dim] x2, [hidden]
-  double eps;
-  std::shared_ptr<Linear> head;
-  LayerCaches caches;
-
-  DecoderStep(std::vector<std::shared_ptr<DecoderLayer>> layers_, torch::Tensor embed_, torch::Tensor cos_table_,
-              torch::Tensor sin_table_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-              torch::Tensor final_norm_, double eps_, std::shared_ptr<Linear> head_)
-      : layers(std::move(layers_)), is_weight_only(is_all_weight_only(layers)), embed(std::move(embed_)),
-        cos_table(cos_table_.contiguous()), sin_table(sin_table_.contiguous()), final_norm(std::move(final_norm_)),
-        eps(eps_), head(std::move(head_)), caches(k_cache, v_cache, static_cast<int64_t>(layers.size())) {
-    TORCH_CHECK(!layers.empty() && head, "a decoder step needs layers and a head");
-    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "embed must be a contiguous [vocab, hidden] table");
-    TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes(), "cos/sin tables must be 2-D, alike");
+// A model's step over a flat batch of sequences and a paged KV pool: token ids (or hidden
+// states, for an embedding the C++ side does not take) to the final norm's output, or with a
+// weight-only head, to the fp32 logits of the rows asked for. The embedding rows, the rotary
+// rows and the logits' conversion to fp32 are taken here rather than by separate Python
+// calls: with the weights streaming through the caches each of those costs 40-110 us a step,
+// about 2% of a 1.5B INT4 step in all. Built once by its owner and run one step at a time: the
+// per-layer views of the pool and the attention plan's buffers are kept from step to step.
+class PagedDecoder {
+ public:
+  PagedDecoder(std::vector<std::shared_ptr<DecoderLayer>> layers, c10::optional<torch::Tensor> embed,
+               c10::optional<torch::Tensor> final_norm, double eps, std::shared_ptr<Linear> head)
+      : layers_(std::move(layers)), is_weight_only_(is_all_weight_only(layers_)),
+        embed_(embed.value_or(torch::Tensor())), final_norm_(final_norm.value_or(torch::Tensor())), eps_(eps),
+        head_(std::move(head)) {
+    TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
+    TORCH_CHECK(!embed_.defined() || (embed_.dim() == 2 && embed_.is_contiguous()),
+                "embed must be a contiguous [vocab, hidden] table");
+    TORCH_CHECK(!head_ || (final_norm_.defined() && head_->is_weight_only() && is_weight_only_),
+                "the head runs inside the step only after the final norm, with weight-only weights throughout");
   }
 
-  // ids [T] int64 at positions start..start+T-1 -> fp32 logits [num_logit_rows, out_features].
-  torch::Tensor logits(const torch::Tensor& ids, int64_t start, int64_t num_logit_rows) const {
-    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.size(0) >= 1, "ids must be 1-D int64");
-    const int64_t num_tokens = ids.size(0);
-    TORCH_CHECK(start >= 0 && start + num_tokens <= cos_table.size(0), "positions beyond the rotary table");
+  bool has_embedding() const { return embed_.defined(); }
+
+  // ids [T] int64 (or hidden [T, hidden] without an embedding table) at positions [T];
+  // cos/sin tables [> max position, head_dim]; k/v_blocks [>= num_layers, num_blocks,
+  // kv_heads, block_size, head_dim]; slot_mapping [T]; block_tables, query_start_loc and
+  // context_lens as paged_attention takes them. -> the final norm's output [T, hidden] (the
+  // last layer's without a norm), or with logit_rows [n], the head's fp32 logits [n, vocab].
+  // is_batch_invariant: dense layers' kernels as fastdraft.kernels.mode.batch_invariant says.
+  torch::Tensor forward(const torch::Tensor& ids, const c10::optional<torch::Tensor>& hidden,
+                        const torch::Tensor& positions, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                        const torch::Tensor& k_blocks, const torch::Tensor& v_blocks, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                        const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& logit_rows,
+                        bool is_batch_invariant) {
     torch::NoGradGuard no_grad;
-    auto h = embedding_rows(embed, ids);  // [T, hidden]
-    auto out = run_decoder(layers, is_weight_only, h, cos_table.narrow(0, start, num_tokens),
-                           sin_table.narrow(0, start, num_tokens), caches, start, final_norm, eps, head,
-                           num_logit_rows);
-    return to_float(out);
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) >= 1, "positions must be [num_tokens]");
+    const int64_t num_tokens = positions.size(0);
+    torch::Tensor h;  // [T, hidden]
+    if (embed_.defined()) {
+      TORCH_CHECK(ids.dim() == 1 && ids.size(0) == num_tokens, "ids must be [num_tokens]");
+      h = table_rows(embed_, ids, "token id");
+    } else {
+      TORCH_CHECK(hidden.has_value() && hidden->dim() == 2 && hidden->size(0) == num_tokens,
+                  "without an embedding table the step takes hidden states [num_tokens, hidden]");
+      h = hidden->contiguous();
+    }
+    TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes() &&
+                    cos_table.scalar_type() == h.scalar_type() && sin_table.scalar_type() == h.scalar_type(),
+                "cos/sin tables must be [positions, head_dim] in the activations' dtype");
+    const auto cos = table_rows(cos_table, positions, "position"), sin = table_rows(sin_table, positions, "position");
+    bind_pool(k_blocks, v_blocks);
+    attention_.slot_mapping = slot_mapping.contiguous();
+    attention_.block_tables = block_tables.contiguous();
+    attention_.query_start_loc = query_start_loc.contiguous();
+    attention_.context_lens = context_lens.contiguous();
+    if (!is_weight_only_) {
+      TORCH_CHECK(!logit_rows.has_value(), "the head runs inside the step only with weight-only layers");
+      for (size_t i = 0; i < layers_.size(); ++i)
+        h = layer_forward_paged(*layers_[i], static_cast<int>(i), h, cos, sin, attention_, is_batch_invariant);
+      return final_norm_.defined() ? rms_norm(h, final_norm_, eps_) : h;
+    }
+    if (!logit_rows.has_value())
+      return decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, nullptr, torch::Tensor());
+    TORCH_CHECK(head_, "this step has no head inside");
+    const auto rows = logit_rows->contiguous();
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) >= 1, "logit_rows: [n] int64");
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < num_tokens, "logit row out of range");
+    return to_float(decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, head_.get(), rows));
   }
+
+ private:
+  // Each layer's view of the pool, made again only when the pool changes: with the weights
+  // streaming through the caches, 2 views per layer cost about 0.1 ms a step if made afresh.
+  void bind_pool(const torch::Tensor& k_blocks, const torch::Tensor& v_blocks) {
+    TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
+                    k_blocks.size(0) >= static_cast<int64_t>(layers_.size()),
+                "k/v blocks must be [>= num_layers, num_blocks, kv_heads, block_size, head_dim]");
+    if (k_blocks.unsafeGetTensorImpl() == pool_k_.unsafeGetTensorImpl() &&
+        v_blocks.unsafeGetTensorImpl() == pool_v_.unsafeGetTensorImpl() && k_blocks.data_ptr() == pool_k_ptr_ &&
+        v_blocks.data_ptr() == pool_v_ptr_)
+      return;
+    attention_.k_blocks.clear();
+    attention_.v_blocks.clear();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      attention_.k_blocks.push_back(k_blocks[i]);
+      attention_.v_blocks.push_back(v_blocks[i]);
+    }
+    pool_k_ = k_blocks, pool_v_ = v_blocks;
+    pool_k_ptr_ = k_blocks.data_ptr(), pool_v_ptr_ = v_blocks.data_ptr();
+  }
+
+  std::vector<std::shared_ptr<DecoderLayer>> layers_;
+  bool is_weight_only_;
+  torch::Tensor embed_, final_norm_;  // [vocab, hidden], [hidden]; either may be undefined
+  double eps_;
+  std::shared_ptr<Linear> head_;
+  torch::Tensor pool_k_, pool_v_;
+  const void* pool_k_ptr_ = nullptr;
+  const void* pool_v_ptr_ = nullptr;
+  PagedAttention attention_;
 };
 
 }  // namespace
-
-// All layers for T tokens of one sequence. hidden [T, hidden]; cos/sin [T, head_dim];
-// k_cache/v_cache [>= num_layers (a draft may share a deeper target's cache), kv_heads, max_seq_len, head_dim] (one slot of the KV cache).
-// Returns the hidden states after the last layer; with final_norm, after the model's final
-// norm too; with a head as well, the head's output for the last num_logit_rows tokens.
-torch::Tensor decoder_forward(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor hidden,
-                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                              int64_t start, c10::optional<torch::Tensor> final_norm, double eps,
-                              std::shared_ptr<Linear> head, int64_t num_logit_rows) {
-  TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
-  const LayerCaches caches(k_cache, v_cache, static_cast<int64_t>(layers.size()));
-  return run_decoder(layers, is_all_weight_only(layers), hidden.contiguous(), cos.contiguous(), sin.contiguous(),
-                     caches, start, final_norm.value_or(torch::Tensor()), eps, head, num_logit_rows);
-}
-
-// All layers for a flat batch of sequences over a paged KV pool (the serving engine's step):
-// hidden [T, hidden]; cos/sin [T, head_dim] (each token's own position); k/v_blocks [>=
-// num_layers, num_blocks, kv_heads, block_size, head_dim]; slot_mapping [T]; block_tables,
-// query_start_loc, context_lens as paged_attention takes them. Weight-only layers run in one
-// parallel region; dense ones layer by layer (is_batch_invariant: their dense kernel as in
-// that mode). Returns the final norm's output [T, hidden] (hidden states without one).
-torch::Tensor decoder_forward_paged(const std::vector<std::shared_ptr<DecoderLayer>>& layers, torch::Tensor hidden,
-                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_blocks,
-                                    torch::Tensor v_blocks, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                    torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                    c10::optional<torch::Tensor> final_norm, double eps,
-                                    std::shared_ptr<Linear> head, c10::optional<torch::Tensor> logit_rows,
-                                    bool is_batch_invariant) {
-  TORCH_CHECK(hidden.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "hidden, cos, sin must be 2-D");
-  TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
-                  k_blocks.size(0) >= static_cast<int64_t>(layers.size()),
-              "k/v blocks must be [>= num_layers, num_blocks, kv_heads, block_size, head_dim]");
-  torch::NoGradGuard no_grad;
-  PagedAttention attention;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    attention.k_blocks.push_back(k_blocks[i]);
-    attention.v_blocks.push_back(v_blocks[i]);
-  }
-  attention.slot_mapping = slot_mapping.contiguous();
-  attention.block_tables = block_tables.contiguous();
-  attention.query_start_loc = query_start_loc.contiguous();
-  attention.context_lens = context_lens.contiguous();
-  if (!is_all_weight_only(layers)) {
-    TORCH_CHECK(!head, "the head runs inside the paged decoder only with weight-only layers");
-    auto h = hidden.contiguous();
-    const auto c = cos.contiguous(), s = sin.contiguous();
-    for (size_t i = 0; i < layers.size(); ++i)
-      h = layer_forward_paged(*layers[i], static_cast<int>(i), h, c, s, attention, is_batch_invariant);
-    return final_norm.has_value() ? rms_norm(h, *final_norm, eps) : h;
-  }
-  if (!head) {
-    return decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
-                                  final_norm.value_or(torch::Tensor()), eps, nullptr, 0);
-  }
-  TORCH_CHECK(final_norm.has_value() && head->is_weight_only() && logit_rows.has_value(),
-              "a head needs the final norm, weight-only weights and the logit rows");
-  const auto rows = logit_rows->contiguous();
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) >= 1, "logit_rows: [n] int64");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < hidden.size(0), "logit row out of range");
-  return to_float(decoder_forward_region(layers, hidden.contiguous(), cos.contiguous(), sin.contiguous(), attention,
-                                         *final_norm, eps, head.get(), rows.size(0), rows));
-}
 
 void bind_decoder(pybind11::module& m) {
   namespace py = pybind11;
@@ -819,25 +723,16 @@ void bind_decoder(pybind11::module& m) {
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o_proj"),
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("scale"));
-  m.def("decoder_forward", &decoder_forward, "all decoder layers for a few tokens of one sequence",
-        py::arg("layers"), py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("start"), py::arg("final_norm") = py::none(), py::arg("eps") = 0.0,
-        py::arg("head") = std::shared_ptr<Linear>(), py::arg("num_logit_rows") = 0);
   m.def("decoder_is_weight_only", &is_all_weight_only, "whether every projection of these layers is weight-only",
         py::arg("layers"));
-  m.def("decoder_forward_paged", &decoder_forward_paged,
-        "all decoder layers for a flat batch of sequences over a paged KV pool", py::arg("layers"), py::arg("hidden"),
-        py::arg("cos"), py::arg("sin"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"),
-        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
-        py::arg("final_norm") = py::none(), py::arg("eps") = 0.0, py::arg("head") = std::shared_ptr<Linear>(),
-        py::arg("logit_rows") = py::none(), py::arg("is_batch_invariant") = false,
-        py::call_guard<py::gil_scoped_release>());
-  py::class_<DecoderStep, std::shared_ptr<DecoderStep>>(m, "DecoderStep")
-      .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, torch::Tensor, torch::Tensor, torch::Tensor,
-                    const torch::Tensor&, const torch::Tensor&, torch::Tensor, double, std::shared_ptr<Linear>>(),
-           py::arg("layers"), py::arg("embed"), py::arg("cos_table"), py::arg("sin_table"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
-      .def("logits", &DecoderStep::logits, "token ids [T] at start.. -> fp32 logits [num_logit_rows, out]",
-           py::arg("ids"), py::arg("start"), py::arg("num_logit_rows"),
+  py::class_<PagedDecoder, std::shared_ptr<PagedDecoder>>(m, "PagedDecoder")
+      .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, double, std::shared_ptr<Linear>>(),
+           py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
+      .def_property_readonly("has_embedding", &PagedDecoder::has_embedding)
+      .def("forward", &PagedDecoder::forward, "a flat batch over a paged KV pool, token ids to the final norm or logits",
+           py::arg("ids"), py::arg("hidden"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("logit_rows"), py::arg("is_batch_invariant"),
            py::call_guard<py::gil_scoped_release>());
 }

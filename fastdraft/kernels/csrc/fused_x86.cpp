@@ -235,44 +235,6 @@ void fastdraft::silu_and_mul_columns(const torch::Tensor& x, const torch::Tensor
   });
 }
 
-void fastdraft::rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start,
-                                    const torch::Tensor& q_rows, int64_t h0, int64_t h1) {
-  const int64_t t_count = qkv.size(0), d = head_dim, group = num_heads / num_kv_heads;
-  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == q_size + 2 * kv_size && d % 2 == 0,
-              "qkv must be [T, (heads + 2 kv_heads) * head_dim]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t_count && cos.size(1) == d &&
-                  sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, head_dim] in qkv's dtype");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == num_kv_heads && k_cache.size(2) == d &&
-                  k_cache.stride(2) == 1 && v_cache.sizes() == k_cache.sizes() && v_cache.stride(2) == 1 &&
-                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
-                  start >= 0 && start + t_count <= k_cache.size(1),
-              "k/v cache must be [kv_heads, max_seq_len, head_dim] in qkv's dtype, with room for T tokens");
-  TORCH_CHECK(q_rows.is_contiguous() && q_rows.numel() == t_count * q_size && q_rows.scalar_type() == qkv.scalar_type(),
-              "q_rows must be [1, kv_heads, T * group, head_dim] in qkv's dtype");
-  with_dtype(qkv, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* src = qkv.data_ptr<T>();
-    T* q_out = q_rows.data_ptr<T>();
-    T* kc = k_cache.data_ptr<T>();
-    T* vc = v_cache.data_ptr<T>();
-    for (int64_t t = 0; t < t_count; ++t) {
-      const T* row = src + t * qkv.stride(0);
-      const T* c = cos.data_ptr<T>() + t * d;
-      const T* s = sin.data_ptr<T>() + t * d;
-      for (int64_t h = h0; h < h1; ++h) {
-        rotary_row(row + h * group * d, c, s, q_out + (h * t_count + t) * group * d, group, d);
-        rotary_row(row + q_size + h * d, c, s, kc + h * k_cache.stride(0) + (start + t) * k_cache.stride(1), 1, d);
-        std::memcpy(vc + h * v_cache.stride(0) + (start + t) * v_cache.stride(1), row + q_size + kv_size + h * d,
-                    d * sizeof(T));
-      }
-    }
-  });
-}
-
 void fastdraft::rope_to_paged_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                           const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0,
                                           int64_t g1) {

@@ -634,7 +634,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 // attention_x86.cpp
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t num_tokens);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_blocks, torch::Tensor v_blocks, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor context_lens, double scale);
 // decoder_x86.cpp
@@ -645,8 +644,6 @@ void bind_sampling(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [M, 2N] = [gate | up] tensor");
-  m.def("decode_attention", &decode_attention, "attention of a few new query tokens over cached keys/values",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("num_tokens") = 1);
   m.def("paged_attention", &paged_attention, "attention of a flat batch of sequences over a paged KV pool",
         py::arg("q"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("context_lens"), py::arg("scale"));

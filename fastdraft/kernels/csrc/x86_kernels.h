@@ -1,7 +1,7 @@
 // The kernels' pieces that the fused decoder (decoder_x86.cpp) drives from inside its own
 // parallel region: each op is split into a serial setup, work that any thread may run on any
-// sub-range, and (for attention) a serial finish. The public ops (woq_linear,
-// decode_attention) are these pieces run under at::parallel_for.
+// sub-range, and (for attention) a finish. The public ops (woq_linear, paged_attention) are
+// these pieces run under at::parallel_for.
 #pragma once
 
 #include <torch/extension.h>
@@ -98,41 +98,6 @@ void residual_rms_norm_columns(const torch::Tensor& a, const torch::Tensor& b, c
                                int64_t c1);
 // out [M, N] columns [c0, c1) of silu_and_mul(x), x [M, 2N] = [gate | up].
 void silu_and_mul_columns(const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
-
-// The attention inputs of kv heads [h0, h1) of one layer from its qkv projection
-// [T, (heads + 2 kv_heads) * d]: writes q rotated into q_rows [1, kv_heads, T * group, d]
-// (attention's row layout), and k rotated and v into k_cache/v_cache [kv_heads, max_seq_len, d]
-// at positions start..start+T-1. The same rotary arithmetic as rotary().
-void rope_to_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache, int64_t start, const torch::Tensor& q_rows, int64_t h0,
-                         int64_t h1);
-
-// Decode attention (attention_x86.cpp::decode_attention) as plan -> items -> finish.
-struct AttentionPlan {
-  torch::Tensor q, k, v, q_pairs, qf;
-  float scale = 1.0f;
-  bool is_bf16_dot = false;
-  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0, len = 0, splits = 0, num_items = 0;
-  std::vector<int64_t> row_len;         // keys each row sees
-  std::vector<float> pmax, psum, pacc;  // per item and row: max, exp-sum, unnormalised P V
-};
-
-// k/v [B, H, >= len, D]: the first len keys are attended (len < 0: all of them).
-AttentionPlan attention_plan(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                             int64_t num_tokens, int64_t len = -1);
-// attention_plan in pieces, reusing p's buffers: replan sets sizes and inputs (q contiguous),
-// then attention_scale_q prepares heads [h0, h1) of q once their values are written.
-void attention_replan(AttentionPlan& p, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                      double scale, int64_t num_tokens, int64_t len);
-void attention_scale_q(AttentionPlan& p, int64_t h0, int64_t h1);
-void attention_items(AttentionPlan& plan, int64_t i0, int64_t i1);  // items [i0, i1), any thread
-torch::Tensor attention_finish(const AttentionPlan& plan);             // -> [B, H, R, D]
-// B == 1, the R rows being num_tokens token-major groups: writes query heads [j0, j1) (query
-// head j is row j % group of kv head j / group) into out [num_tokens, heads * group * D],
-// token-major: the layout the output projection takes.
-void attention_finish_tokens_heads(const AttentionPlan& plan, int64_t num_tokens, const torch::Tensor& out,
-                                   int64_t j0, int64_t j1);
 
 // Paged attention (attention_x86.cpp::paged_attention) as plan -> q -> items -> finish, for a
 // flat batch of sequences over one layer's blocks [num_blocks, kv_heads, block_size, D].
