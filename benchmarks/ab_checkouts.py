@@ -25,13 +25,19 @@ from pathlib import Path
 WORKER = r"""
 import json, sys
 import torch
+import fastdraft
 from fastdraft import TextGenerator, load_model
 from fastdraft.quant.config import parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 
 model, quant, prompt_tokens, new_tokens, threads = sys.argv[1:6]
-torch.set_num_threads(int(threads))
+# Checkouts from before fastdraft.configure_process tuned malloc in the engine's constructor.
+configure_process = getattr(fastdraft, "configure_process", None)
+if configure_process is not None:
+    configure_process(num_threads=int(threads))
+else:
+    torch.set_num_threads(int(threads))
 loaded = load_model(model, dtype="bf16")
 if quant != "bf16":
     quantize_model(loaded.model, parse_quant_spec(quant), show_progress=False)

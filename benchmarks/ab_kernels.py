@@ -2,10 +2,12 @@
 
 Each build is compiled from a folder holding the extension's sources (a copy of
 ``fastdraft/kernels/csrc``, changed or not). The model is loaded and quantized once per
-build, each with its own KV cache holding a ``--context``-token prefix; the builds then take
-turns for ``--rounds`` rounds, each timing the median of ``--steps`` forward passes of
-``--tokens`` tokens. The figure is the median over rounds of the per-round speed ratio, which
-cancels the drift of memory bandwidth that shared cloud VMs show.
+build, each with its own one-sequence paged KV cache holding a ``--context``-token prefix;
+the builds then take turns for ``--rounds`` rounds, each timing the median of ``--steps``
+passes of ``--tokens`` tokens through the model's C++ step (``model.logits`` with its fused
+decoder, every new token's logits computed, as in a decode or verification step). The figure
+is the median over rounds of the per-round speed ratio, which cancels the drift of memory
+bandwidth that shared cloud VMs show.
 
 Every model must run the build it was loaded with. Each model's fused decoder is built while
 the loader still points at its own build, and the script checks which build each decoder
@@ -28,7 +30,7 @@ from fastdraft.engine.loader import load_model
 import fastdraft.kernels.build as build
 import fastdraft.kernels.fused as fused
 import fastdraft.kernels.x86 as x86
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 import fastdraft.models.fused_decoder as fused_decoder
 from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.quantizer import quantize_model
@@ -54,11 +56,13 @@ def load_with(ext: ModuleType, args: argparse.Namespace):
     if args.quant is not None:
         quantize_model(loaded.model, args.quant, show_progress=False)
     model = loaded.model
-    cache = KVCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
-    model(torch.randint(0, 10000, (1, args.context)), cache, cache.append(args.context))
     decoder = model.fused_decoder()
     if decoder is None or decoder.ext is not ext:
         raise SystemExit("the model's fused decoder does not hold the build it was loaded with")
+    cache = SequenceCache.from_config(loaded.config, args.context + max(args.tokens) + 1, dtype=model.dtype)
+    prefix = torch.randint(0, min(10000, loaded.config.vocab_size), (args.context,)).tolist()
+    input_ids, meta = cache.append(prefix)
+    model(input_ids, meta.positions, cache.kv_cache, meta, decoder)
     return model, cache, decoder
 
 
@@ -83,13 +87,14 @@ def main() -> None:
     times: dict[tuple[int, int], list[float]] = {(i, n): [] for i in range(2) for n in args.tokens}
     for _ in range(args.rounds):
         for n in args.tokens:
-            step = torch.zeros(1, n, dtype=torch.long)
+            rows = list(range(n))
             for i, (model, cache, decoder) in enumerate(systems):
                 samples = []
                 for _ in range(args.steps):
                     cache.truncate(args.context)
                     start = time.perf_counter()
-                    model.decode_logits(step, cache, cache.append(n), decoder=decoder)
+                    input_ids, meta = cache.append([0] * n)
+                    model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows, decoder)
                     samples.append(time.perf_counter() - start)
                 times[(i, n)].append(statistics.median(samples))
     print(f"{args.model} ({args.low_bit}, groups of {args.group_size}), {args.context} cached tokens, {args.rounds} interleaved rounds")

@@ -19,7 +19,7 @@ import torch
 
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
@@ -31,10 +31,11 @@ from fastdraft.spec.config import SpeculativeConfig, prepare_draft
 @torch.inference_mode()
 def next_token_logits(model: LlamaForCausalLM, prompt: list[int], new_ids: list[int]) -> torch.Tensor:
     """Logits [len(new_ids), vocab] that predict each of ``new_ids`` after ``prompt``."""
-    seq = torch.tensor([prompt + new_ids])
-    cache = KVCache.from_config(model.config, seq.shape[1], dtype=model.dtype)
-    hidden = model(seq, cache, cache.append(seq.shape[1]))
-    return model.compute_logits(hidden[0, len(prompt) - 1:-1]).float()
+    seq = prompt + new_ids
+    cache = SequenceCache.from_config(model.config, len(seq), dtype=model.dtype)
+    input_ids, meta = cache.append(seq)
+    rows = list(range(len(prompt) - 1, len(seq) - 1))
+    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows, model.fused_decoder())
 
 
 def make_draft(name: str, kind: str):

@@ -37,6 +37,7 @@ from fastdraft.formats import PER_CHANNEL, quantize  # noqa: E402
 from fastdraft.kernels.aten import AtenInt4Kernel, AtenInt8Kernel  # noqa: E402
 from fastdraft.kernels.x86 import X86WoqKernel  # noqa: E402
 from fastdraft.models.loader import resolve_model_dir  # noqa: E402
+from fastdraft.process import configure_process  # noqa: E402
 
 CACHE_BYTES = 256 * 2**20  # cycle through this many weight bytes so nothing stays in cache
 
@@ -95,7 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_process(num_threads=args.threads)
     rows = [int(m) for m in args.rows.split(",")]
     bandwidth = measure_bandwidth()
     print(f"# kernels on {args.model} shapes, INT4 g{args.group_size} sym, bf16 activations, "

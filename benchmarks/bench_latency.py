@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.models.loader import parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
+from fastdraft.process import configure_process
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.tokenizer import Tokenizer
 
@@ -376,8 +376,7 @@ def main() -> None:
     # head (as Q4_K_M keeps its output at Q6_K) is faster and loses 15.7% perplexity on the 1.5B.
     args.quant = [q for q in (args.quant or ["method=gguf", "method=rtn,group_size=128,lm_head_bits=6"])
                   if q != "none"]
-    torch.set_num_threads(args.threads)
-    tune_malloc()  # as fastdraft's TextGenerator does; every system in this process gets it
+    configure_process(num_threads=args.threads)  # every system in this process gets the tuned malloc
     load = os.getloadavg()[0]
     if load > 0.5:  # timings are only meaningful on an otherwise idle machine
         print(f"warning: 1-minute load average is {load:.1f} before the run; timings will be noisy")

@@ -31,6 +31,7 @@ import torch
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.metrics import SpecMetrics
+from fastdraft.process import configure_process
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
@@ -125,8 +126,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_process(num_threads=args.threads)
     torch.set_grad_enabled(False)
     cases = args.cases.split(",")
     greedy = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
+from fastdraft.process import configure_process
 from fastdraft.quant.config import parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
@@ -155,8 +155,7 @@ def main() -> None:
     if args.llama_batched_bench is not None and not args.llama_batched_bench.is_file():
         parser.error(f"--llama-batched-bench: {args.llama_batched_bench} does not exist")
     config = None if args.quant == "none" else parse_quant_spec(args.quant)
-    torch.set_num_threads(args.threads)
-    tune_malloc()
+    configure_process(num_threads=args.threads)
 
     loaded = load_model(args.model, dtype=args.dtype, keep_gguf_quant=config is not None and config.is_gguf_native)
     if config is not None and not config.is_gguf_native:

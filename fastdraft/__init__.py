@@ -1,7 +1,9 @@
 """fastdraft: fast LLM inference on ordinary hardware.
 
 Front doors: :class:`LLM` (vLLM style), :class:`AutoModelForCausalLM` (HF style),
-:class:`TextGenerator` (streaming), and the ``fastdraft`` command line.
+:class:`TextGenerator` (streaming), and the ``fastdraft`` command line. A program that runs
+models calls :func:`configure_process` once at start (malloc tuning, threads): fastdraft's
+constructors leave process-wide settings alone.
 """
 
 from fastdraft.config import ModelConfig
@@ -9,6 +11,7 @@ from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.loader import load_model
 from fastdraft.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
+from fastdraft.process import configure_process
 from fastdraft.quant.config import QuantConfig
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig
@@ -16,5 +19,6 @@ from fastdraft.spec.config import SpeculativeConfig
 __version__ = "0.1.0"
 __all__ = [
     "LLM", "AutoModelForCausalLM", "CompletionOutput", "GenerationMetrics", "ModelConfig", "QuantConfig",
-    "RequestOutput", "SamplingParams", "SpeculativeConfig", "TextGenerator", "load_model", "__version__",
+    "RequestOutput", "SamplingParams", "SpeculativeConfig", "TextGenerator", "configure_process", "load_model",
+    "__version__",
 ]

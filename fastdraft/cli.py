@@ -8,6 +8,7 @@ import logging
 import sys
 
 from fastdraft.models.registry import DEFAULT_MODEL, KNOWN_MODELS
+from fastdraft.process import configure_process
 
 
 class CLIError(Exception):
@@ -169,16 +170,12 @@ def _cmd_pull(args: argparse.Namespace) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
-    import torch
-
     from fastdraft.engine.generate import TextGenerator
     from fastdraft.engine.loader import load_model
     from fastdraft.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from fastdraft.spec.config import SpeculativeConfig
 
     spec = None
@@ -226,14 +223,10 @@ def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, 
 def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    import torch
-
     from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.quant.config import parse_quant_spec
     from fastdraft.server.app import ServerConfig, build_app, serve
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     quant = parse_quant_spec(args.quant) if args.quant else None  # bad specs fail before the server starts
     engine_config = EngineConfig(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -266,7 +259,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     if args.output:  # fail now, not after minutes of quantization
         check_output_path(args.output, is_dir=True)
     if args.auto:
-        from fastdraft.engine.timing import GreedyDecodeTimer
+        from fastdraft.engine.timing import DecodeStepTimer
         from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
 
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -279,7 +272,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         if args.report_dir:
             check_output_path(report_dir, is_dir=True)
         loaded = load_model(args.model, dtype=args.dtype)
-        timer = GreedyDecodeTimer.for_code(loaded.tokenizer, space.num_decode_tokens)
+        timer = DecodeStepTimer(space.num_decode_tokens)
         logging.getLogger("fastdraft.quant.auto").setLevel(logging.INFO)  # a line per candidate, as it is tried
         result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
                                            gguf_path=_gguf_or_none(args.model))
@@ -376,11 +369,17 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         write_json(args.json, [r.to_dict() for r in results])
 
 
+# Commands that run a model, and so get fastdraft's process-wide settings (fastdraft/process.py).
+_MODEL_COMMANDS = frozenset({"generate", "serve", "quantize", "eval"})
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
+        if args.command in _MODEL_COMMANDS:  # the library leaves malloc and threads to its entry points
+            configure_process(num_threads=getattr(args, "threads", None))
         if args.command == "pull":
             _cmd_pull(args)
         elif args.command == "models":

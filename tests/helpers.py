@@ -13,13 +13,10 @@ from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import torch
-import uvicorn
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, Span, flat_batch
-from fastdraft.server.app import ServerConfig, build_app
 
 # The same split regex as Qwen2's tokenizer.json (and fastdraft's GGUF "qwen2" pre-tokenizer).
 QWEN2_PATTERN = (
@@ -262,6 +259,12 @@ class LiveServer:
 
     def __init__(self, loaded, engine_config: EngineConfig, model_name: str, speculation=None,
                  **server_config) -> None:
+        # Imported here, not at the top: the model tests (and a GPU machine with no server
+        # packages) need the other helpers without the server's dependencies.
+        import uvicorn
+
+        from fastdraft.server.app import ServerConfig, build_app
+
         self.engine: LLMEngine | None = None
 
         def load() -> LLMEngine:
@@ -276,7 +279,9 @@ class LiveServer:
         self.thread.start()
         wait_healthy(self.url, 60)
 
-    def client(self, api_key: str = "none") -> openai.OpenAI:
+    def client(self, api_key: str = "none") -> "openai.OpenAI":  # noqa: F821
+        import openai
+
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
 
     def stop(self) -> None:

@@ -22,11 +22,13 @@ def test_defaults_and_derived_fields():
 def test_kv_bytes_per_token_matches_the_cache_it_sizes():
     import torch
 
-    from fastdraft.layers.kv_cache import KVCache
+    from fastdraft.layers.kv_cache import PagedKVCache
 
     c = ModelConfig(**BASE)
-    cache = KVCache.from_config(c, max_seq_len=8, dtype=torch.bfloat16)
-    assert c.kv_bytes_per_token(2) * 8 == cache.num_bytes
+    # Three blocks of 8 tokens: 24 cached tokens' worth of keys and values.
+    cache = PagedKVCache.from_config(c, num_blocks=3, block_size=8, dtype=torch.bfloat16)
+    assert c.kv_bytes_per_token(2) * 24 == cache.num_bytes
+    assert c.kv_bytes_per_token(2) * 8 == PagedKVCache.bytes_per_block(c, 8, torch.bfloat16)
 
 
 def test_qwen2_implies_attention_bias():

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fastdraft.engine.allocator import tune_malloc
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.metrics import GenerationMetrics, SpecMetrics
 from fastdraft.engine.model_runner import ModelRunner
@@ -136,7 +135,6 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  speculation: Speculation | None = None, draft: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
-        tune_malloc()  # steps reuse their large buffers instead of page-faulting them in
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model = loaded.model

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
+from fastdraft.process import configure_process
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.server.async_engine import (EngineError, QueueFullError, RequestStream, StepStats, _settle,
                                            add_all_or_none, run_step)
@@ -37,7 +38,9 @@ class EngineInfo:
 def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, commands: Connection,
                  events: Connection) -> None:
     """The child's main: load, then apply commands between steps and send each step's outputs."""
-    torch.set_num_threads(num_threads)
+    # A spawned child starts from defaults; fastdraft made this process, so it gives it the
+    # parent's thread count and the tuned malloc.
+    configure_process(num_threads=num_threads)
     try:
         engine = load_engine()
     except BaseException as e:  # the parent reports it; /health says the model failed to load

@@ -44,7 +44,7 @@ class PagedRunner:
     def step(self, requests: list[tuple[list[int], int, int, list[int]]]) -> list[torch.Tensor]:
         ids, meta, starts = paged_batch(requests, BLOCK_SIZE)
         with batch_invariant():
-            hidden = self.model(ids, self.cache, meta)[0]  # [num_tokens, hidden_size]
+            hidden = self.model(ids, meta.positions, self.cache, meta)  # [num_tokens, hidden_size]
             logits = self.model.compute_logits(hidden)  # [num_tokens, vocab_size]
         return [logits[s:e] for s, e in zip(starts, starts[1:])]
 
@@ -101,6 +101,10 @@ def test_tiny_model_logits_do_not_depend_on_the_batch(tiny_models, weights):
 @pytest.mark.real_model
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 def test_real_model_logits_do_not_depend_on_the_batch(real_model_dir, weights):
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    loaded = load_model(real_model_dir, dtype="bf16", load_in_low_bit="sym_int4" if weights == "int4" else None)
-    check_invariance(loaded, loaded.config.vocab_size)
+    try:
+        loaded = load_model(real_model_dir, dtype="bf16", load_in_low_bit="sym_int4" if weights == "int4" else None)
+        check_invariance(loaded, loaded.config.vocab_size)
+    finally:  # the tests after this one keep their thread count (conftest.py sets it)
+        torch.set_num_threads(threads)

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator, generate_token_ids
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.engine.generate import TextGenerator
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.sampling_params import SamplingParams
 
 PROMPT = "def add(a, b):\n    return"
@@ -19,36 +19,50 @@ def generator(tiny_loaded) -> TextGenerator:
     return TextGenerator(tiny_loaded, max_seq_len=128)
 
 
-def _ids(loaded, params: SamplingParams, prompt: str = PROMPT) -> list[int]:
-    kv = KVCache.from_config(loaded.config, 128, dtype=torch.float32)
-    return list(generate_token_ids(loaded.model, loaded.tokenizer.encode(prompt), params, kv,
-                                   loaded.config.eos_token_ids))
+def _ids(generator: TextGenerator, params: SamplingParams, prompt: str = PROMPT) -> list[int]:
+    return generator.generate(prompt, params).token_ids
 
 
-def test_greedy_matches_transformers_generate(tiny_models, tiny_loaded):
+@torch.inference_mode()
+def _greedy_module_path(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding through the model's module path (no C++ step, no engine) in a cache of
+    its own: append the prompt, take the argmax of the last row, append it, repeat."""
+    model = loaded.model
+    cache = SequenceCache.from_config(loaded.config, len(prompt_ids) + max_new_tokens, dtype=model.dtype)
+    new_ids, out = prompt_ids, []
+    for _ in range(max_new_tokens):
+        input_ids, meta = cache.append(new_ids)
+        logits = model.logits(input_ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1])  # [1, vocab]
+        out.append(int(logits.argmax(dim=-1)))
+        new_ids = out[-1:]
+    return out
+
+
+def test_greedy_matches_transformers_generate(tiny_models, tiny_loaded, generator):
     hf = tiny_models.hf("llama")
     prompt_ids = tiny_loaded.tokenizer.encode(PROMPT)
-    ours = _ids(tiny_loaded, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    ours = _ids(generator, SamplingParams(max_new_tokens=40, ignore_eos=True))
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=40,
                           eos_token_id=None, pad_token_id=0)
     assert ours == out[0, len(prompt_ids):].tolist()
+    assert _greedy_module_path(tiny_loaded, prompt_ids, 40) == ours
     assert len(set(ours)) > 3  # not a degenerate constant stream
 
 
-def test_seeded_sampling_reproducible(tiny_loaded):
+def test_seeded_sampling_reproducible(generator):
     params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
-    a, b = _ids(tiny_loaded, params), _ids(tiny_loaded, params)
-    c = _ids(tiny_loaded, dataclasses.replace(params, seed=8))
+    a, b = _ids(generator, params), _ids(generator, params)
+    c = _ids(generator, dataclasses.replace(params, seed=8))
     assert a == b and a != c
-    greedy = _ids(tiny_loaded, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    greedy = _ids(generator, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert a != greedy
 
 
-def test_top_k_one_equals_greedy(tiny_loaded):
-    sampled = _ids(tiny_loaded, SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1, seed=3,
-                                               ignore_eos=True))
-    assert sampled == _ids(tiny_loaded, SamplingParams(max_new_tokens=16, ignore_eos=True))
+def test_top_k_one_equals_greedy(generator):
+    sampled = _ids(generator, SamplingParams(max_new_tokens=16, temperature=0.8, top_k=1, seed=3,
+                                             ignore_eos=True))
+    assert sampled == _ids(generator, SamplingParams(max_new_tokens=16, ignore_eos=True))
 
 
 def test_stream_text_tokens_and_metrics(generator):
@@ -99,19 +113,23 @@ def test_unmatched_stop_string_changes_nothing(generator):
     assert with_stop.text == full.text and with_stop.metrics.finish_reason == "length"
 
 
-def test_eos_token_ends_generation(tiny_loaded):
-    full = TextGenerator(tiny_loaded, max_seq_len=128).generate(
-        PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eos_token_ends_generation(tiny_loaded, temperature):
+    # Sampled too: a seeded stream cut at EOS is the same stream up to it.
+    params = SamplingParams(max_new_tokens=30, temperature=temperature, seed=4, ignore_eos=True)
+    full = TextGenerator(tiny_loaded, max_seq_len=128).generate(PROMPT, params)
     # Pretend the 6th generated token is the model's EOS (first occurrence).
     eos = full.token_ids[5]
     cut = full.token_ids.index(eos)
     config = dataclasses.replace(tiny_loaded.config, eos_token_id=[eos])
     gen = TextGenerator(dataclasses.replace(tiny_loaded, config=config), max_seq_len=128)
-    out = gen.generate(PROMPT, SamplingParams(max_new_tokens=30))
+    out = gen.generate(PROMPT, dataclasses.replace(params, ignore_eos=False))
     assert out.token_ids == full.token_ids[:cut + 1]  # the EOS id is included ...
-    assert out.metrics.finish_reason == "stop"
+    assert out.metrics.finish_reason == "stop" and out.metrics.num_generated_tokens == cut + 1
     assert out.text == gen.tokenizer.decode(full.token_ids[:cut])  # ... but not its text
-    ignored = gen.generate(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    # Nothing runs after the EOS: the request is done and its blocks are back in the pool.
+    assert not gen.engine.has_unfinished_requests and gen.engine.block_manager.usage == 0
+    ignored = gen.generate(PROMPT, params)
     assert ignored.token_ids == full.token_ids
 
 
@@ -131,12 +149,16 @@ def test_request_too_long_raises_at_stream(generator):
         generator.stream("", SamplingParams(max_new_tokens=2))
 
 
-def test_generation_can_fill_the_cache_exactly(tiny_loaded):
+def test_generation_can_fill_the_cache_exactly(tiny_loaded, generator):
     prompt = tiny_loaded.tokenizer.encode(PROMPT)
-    kv = KVCache.from_config(tiny_loaded.config, len(prompt) + 10, dtype=torch.float32)
-    out = list(generate_token_ids(tiny_loaded.model, prompt, SamplingParams(max_new_tokens=10, ignore_eos=True),
-                                  kv, []))
-    assert len(out) == 10
+    exact = TextGenerator(tiny_loaded, max_seq_len=len(prompt) + 10)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    out = exact.generate(prompt, params).token_ids
+    # The last token fits exactly, and is the one a roomier engine gives.
+    assert out == generator.generate(prompt, params).token_ids and len(out) == 10
+    with pytest.raises(ValueError, match="exceeds"):  # one more does not fit, refused before any work
+        exact.stream(prompt, dataclasses.replace(params, max_new_tokens=11))
+    assert not exact.engine.has_unfinished_requests
 
 
 def test_generator_runs_plain_requests_through_the_engine(generator, tiny_loaded):
@@ -148,7 +170,8 @@ def test_generator_runs_plain_requests_through_the_engine(generator, tiny_loaded
     c = generator.generate(PROMPT, params)
     assert engine.kv_cache.k.data_ptr() == ptr
     assert a.token_ids == c.token_ids and a.token_ids != b.token_ids
-    assert a.token_ids == _ids(tiny_loaded, params)  # the single-sequence functions agree
+    # The module path, without the engine or the C++ step, decodes the same greedy tokens.
+    assert a.token_ids == _greedy_module_path(tiny_loaded, tiny_loaded.tokenizer.encode(PROMPT), 8)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     # What only the engine serves, such as penalties.
     penalized = generator.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True,
@@ -167,17 +190,3 @@ def test_an_abandoned_stream_gives_way_to_the_next_request(generator):
     assert generator.generate(PROMPT, params).token_ids == expected
     assert not generator.engine.has_unfinished_requests
     assert generator.engine.block_manager.usage == 0
-
-
-def test_generate_token_ids_stops_at_eos(tiny_loaded):
-    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=4, ignore_eos=True)
-    full = _ids(tiny_loaded, params)
-    eos = full[7]
-    cut = full.index(eos)
-    kv = KVCache.from_config(tiny_loaded.config, 128, dtype=torch.float32)
-    prompt = tiny_loaded.tokenizer.encode(PROMPT)
-    stopped = list(generate_token_ids(tiny_loaded.model, prompt, dataclasses.replace(params, ignore_eos=False),
-                                      kv, [eos]))
-    assert stopped == full[:cut + 1]
-    # Nothing was decoded after the EOS: the cache holds the prompt and the tokens before it.
-    assert kv.seq_lens[0] == len(prompt) + cut

@@ -1,4 +1,5 @@
-"""The pre-allocated KV cache: no reallocation, rollback by truncate, bounds, sizing."""
+"""The paged KV cache outside the engine (SequenceCache): no reallocation, rollback by
+truncate, bounds, sizing, and the metadata each append describes."""
 
 from __future__ import annotations
 
@@ -6,152 +7,165 @@ import pytest
 import torch
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.generate import check_request, decode_one_token, generate_token_ids, prefill
-from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
-from fastdraft.sampling_params import SamplingParams
+from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 
 
 def _ids(vocab: int, n: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))  # [n]
 
 
+def _last_logits(model, cache: SequenceCache, token_ids: torch.Tensor, decoder=None) -> torch.Tensor:
+    """Append ``token_ids`` and return the logits of the last one: [1, vocab_size]."""
+    ids, meta = cache.append(token_ids)
+    return model.logits(ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1], decoder)
+
+
+def _all_logits(model, cache: SequenceCache, token_ids: torch.Tensor) -> torch.Tensor:
+    """Append ``token_ids`` through the module path and return every row's logits: [num_tokens, vocab_size]."""
+    ids, meta = cache.append(token_ids)
+    return model.compute_logits(model(ids, meta.positions, cache.kv_cache, meta))
+
+
+def _by_position(pool: torch.Tensor) -> torch.Tensor:
+    """A SequenceCache's pool [layers, blocks, kv_heads, block_size, dim] as [layers, kv_heads,
+    positions, dim]: its positions lie in blocks 0, 1, 2, ... in order."""
+    layers, blocks, kv_heads, block_size, dim = pool.shape
+    return pool.transpose(1, 2).reshape(layers, kv_heads, blocks * block_size, dim)
+
+
+@pytest.mark.parametrize("path", ["module", "fused"])
 @torch.inference_mode()
-def test_buffers_are_never_reallocated(tiny_loaded):
+def test_buffers_are_never_reallocated(tiny_loaded, path):
     model, config = tiny_loaded.model, tiny_loaded.config
-    kv = KVCache.from_config(config, 128, dtype=torch.float32)
-    k_ptr, v_ptr, shape = kv.k.data_ptr(), kv.v.data_ptr(), kv.k.shape
+    # The C++ step writes the pool itself: both backends must write in place.
+    decoder = model.fused_decoder() if path == "fused" else None
+    if path == "fused" and decoder is None:
+        pytest.skip("no C++ step without fastdraft's CPU kernels")
+    cache = SequenceCache.from_config(config, 128, dtype=torch.float32)
+    pool = cache.kv_cache
+    k_ptr, v_ptr, shape = pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape
     ids = _ids(config.vocab_size, 100, 0)
-    prefill(model, ids[:, :10], kv)
+    _last_logits(model, cache, ids[:10], decoder)
     for pos in range(10, 100):
-        decode_one_token(model, ids[:, pos:pos + 1], kv)
-        assert kv.k.data_ptr() == k_ptr and kv.v.data_ptr() == v_ptr
-    assert kv.k.shape == shape and kv.seq_lens == [100]
+        _last_logits(model, cache, ids[pos:pos + 1], decoder)
+        assert cache.kv_cache is pool and pool.k.data_ptr() == k_ptr and pool.v.data_ptr() == v_ptr
+    assert pool.k.shape == shape and cache.num_tokens == 100
     # Something was actually written: the live prefix is non-zero, the tail still zero.
-    assert kv.k[:, 0, :, :100].abs().sum(dim=-1).min() > 0
-    assert kv.k[:, 0, :, 100:].abs().max() == 0
+    for buffer in (pool.k, pool.v):
+        keys = _by_position(buffer)
+        assert keys[:, :, :100].abs().sum(dim=-1).min() > 0
+        assert keys[:, :, 100:].abs().max() == 0
 
 
 @torch.inference_mode()
 def test_truncate_then_refeed_same_tokens_reproduces_logits(tiny_loaded):
     model, config = tiny_loaded.model, tiny_loaded.config
-    kv = KVCache.from_config(config, 64, dtype=torch.float32)
+    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
     ids = _ids(config.vocab_size, 20, 1)
-    prefill(model, ids[:, :10], kv)
-    original = [decode_one_token(model, ids[:, p:p + 1], kv) for p in range(10, 20)]
-    kv.truncate(14)
-    assert kv.seq_lens[0] == 14
+    _last_logits(model, cache, ids[:10])
+    original = [_last_logits(model, cache, ids[p:p + 1]) for p in range(10, 20)]
+    cache.truncate(14)
+    assert cache.num_tokens == 14
     for p in range(14, 20):
-        again = decode_one_token(model, ids[:, p:p + 1], kv)
-        torch.testing.assert_close(again, original[p - 10], atol=1e-6, rtol=0)
+        # The same token over the same keys in the same shape: the same bits.
+        assert torch.equal(_last_logits(model, cache, ids[p:p + 1]), original[p - 10])
 
 
 @torch.inference_mode()
 def test_truncate_then_feed_different_tokens_equals_fresh_run(tiny_loaded):
     model, config = tiny_loaded.model, tiny_loaded.config
-    kv = KVCache.from_config(config, 64, dtype=torch.float32)
+    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
     ids = _ids(config.vocab_size, 20, 2)
-    prefill(model, ids[:, :12], kv)
+    _last_logits(model, cache, ids[:12])
     for p in range(12, 20):
-        decode_one_token(model, ids[:, p:p + 1], kv)
-    kv.truncate(15)
+        _last_logits(model, cache, ids[p:p + 1])
+    cache.truncate(15)
     other = _ids(config.vocab_size, 5, 3)
-    assert not torch.equal(other, ids[:, 15:20])
-    new_seq = torch.cat([ids[:, :15], other], dim=1)
-    # Verification shape after rollback: all five new tokens in one pass.
-    meta = kv.append(5)
-    got = model.compute_logits(model(other, kv, meta))
-    fresh = KVCache.from_config(config, 64, dtype=torch.float32)
-    ref = model.compute_logits(model(new_seq, fresh, fresh.append(20)))
-    torch.testing.assert_close(got, ref[:, 15:], atol=1e-5, rtol=0)
+    assert not torch.equal(other, ids[15:20])
+    new_seq = torch.cat([ids[:15], other])
+    # Verification shape after rollback: all five new tokens in one pass, over stale keys at 15..19.
+    got = _all_logits(model, cache, other)  # [5, vocab]
+    ref = _all_logits(model, SequenceCache.from_config(config, 64, dtype=torch.float32), new_seq)  # [20, vocab]
+    torch.testing.assert_close(got, ref[15:], atol=1e-5, rtol=0)
     # And the stale tokens really influenced the old logits (the check above is not vacuous).
-    kv2 = KVCache.from_config(config, 64, dtype=torch.float32)
-    old = model.compute_logits(model(ids, kv2, kv2.append(20)))
-    assert (old[:, 15:] - ref[:, 15:]).abs().max() > 1e-3
+    old = _all_logits(model, SequenceCache.from_config(config, 64, dtype=torch.float32), ids)
+    assert (old[15:] - ref[15:]).abs().max() > 1e-3
+
+
+def _small_cache(max_seq_len: int = 8, block_size: int = 4) -> SequenceCache:
+    num_blocks = -(-max_seq_len // block_size)
+    return SequenceCache(PagedKVCache(1, num_blocks, 1, block_size, 4, dtype=torch.float32), max_seq_len)
 
 
 def test_bad_truncate_raises():
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=8, dtype=torch.float32)
-    kv.append(5)
+    cache = _small_cache()
+    cache.append([1] * 5)
     with pytest.raises(ValueError):
-        kv.truncate(6)
+        cache.truncate(6)
     with pytest.raises(ValueError):
-        kv.truncate(-1)
-    assert kv.seq_lens == [5]
-    kv.truncate(5)
-    kv.truncate(0)
-    assert kv.seq_lens == [0]
+        cache.truncate(-1)
+    assert cache.num_tokens == 5
+    cache.truncate(5)
+    cache.truncate(0)
+    assert cache.num_tokens == 0
 
 
 def test_overflow_beyond_max_seq_len_raises_and_leaves_length():
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=8, dtype=torch.float32)
-    kv.append(6)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        kv.append(3)
-    assert kv.seq_lens == [6]
-    kv.append(2)  # exactly full is fine
+    cache = _small_cache()
+    cache.append([1] * 6)
+    with pytest.raises(ValueError, match="cannot append 3 tokens after 6"):
+        cache.append([1] * 3)
+    assert cache.num_tokens == 6
     with pytest.raises(ValueError):
-        kv.append(1)
+        cache.append([])  # nothing to append is refused too
+    assert cache.num_tokens == 6
+    cache.append([1, 2])  # exactly full is fine
+    with pytest.raises(ValueError):
+        cache.append([1])
+    assert cache.num_tokens == 8
 
 
 def test_invalid_sizes_raise():
     with pytest.raises(ValueError):
-        KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=0)
-    with pytest.raises(ValueError):
-        KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=4, max_batch_size=0)
+        _small_cache(max_seq_len=0)
+    with pytest.raises(ValueError, match="max_seq_len"):  # more than the pool's 2 blocks of 4 hold
+        SequenceCache(PagedKVCache(1, 2, 1, 4, 4), 9)
+    for dims in ((0, 2, 1, 4, 4), (1, 0, 1, 4, 4), (1, 2, 1, 0, 4)):
+        with pytest.raises(ValueError, match="positive"):
+            PagedKVCache(*dims)
 
 
-def test_slots_are_independent_and_reset():
-    kv = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=8, max_batch_size=3)
-    kv.append(4, slot=1)
-    kv.append(2, slot=2)
-    assert kv.seq_lens == [0, 4, 2]
-    meta = kv.append(3, slot=1)
-    assert meta.positions.tolist() == [[4, 5, 6]] and meta.slot_ids.tolist() == [1]
-    assert meta.context_len == 7 and not meta.is_prefill
-    kv.reset(slot=1)
-    assert kv.seq_lens == [0, 0, 2]
-    kv.reset()
-    assert kv.seq_lens == [0, 0, 0]
+def test_append_metadata_crosses_blocks_and_reset_starts_over():
+    cache = _small_cache(max_seq_len=12)  # blocks 0, 1, 2 of 4 tokens
+    ids, meta = cache.append(torch.tensor([[7, 8, 9]]))  # a [1, T] tensor is flattened
+    assert ids.tolist() == [7, 8, 9] and ids.dtype == torch.int64
+    assert meta.positions.tolist() == [0, 1, 2] and meta.slot_mapping.tolist() == [0, 1, 2]
+    assert meta.query_start_loc == [0, 3] and meta.context_lens == [3] and meta.block_tables.tolist() == [[0]]
+    # Three tokens after three cached ones: the last two in block 1, which joins the table.
+    ids, meta = cache.append([4, 5, 6])
+    assert meta.positions.tolist() == [3, 4, 5] and meta.slot_mapping.tolist() == [3, 4, 5]
+    assert meta.num_tokens == 3 and meta.num_seqs == 1
+    assert meta.context_lens == [6] and meta.block_tables.tolist() == [[0, 1]]
+    assert cache.num_tokens == 6
+    cache.reset()
+    assert cache.num_tokens == 0
+    _, meta = cache.append([1, 2])
+    assert meta.positions.tolist() == [0, 1] and meta.context_lens == [2]
 
 
 def test_from_config_sizing():
     config = ModelConfig(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512)
-    kv = KVCache.from_config(config, 100, max_batch_size=2, dtype=torch.bfloat16)
-    assert kv.k.shape == kv.v.shape == (3, 2, 2, 100, 16)
-    assert kv.k.dtype == torch.bfloat16 and kv.max_seq_len == 100 and kv.max_batch_size == 2
-    assert kv.num_bytes == 2 * 3 * 2 * 2 * 100 * 16 * 2
+    cache = SequenceCache.from_config(config, 100, dtype=torch.bfloat16)
+    pool = cache.kv_cache
+    # 100 tokens in blocks of 16: 7 blocks, [layers, blocks, kv_heads, block_size, head_dim].
+    assert pool.k.shape == pool.v.shape == (3, 7, 2, 16, 16)
+    assert pool.k.dtype == torch.bfloat16 and cache.max_seq_len == 100 and cache.num_tokens == 0
+    assert pool.num_bytes == 2 * 3 * 7 * 2 * 16 * 16 * 2
+    assert SequenceCache.from_config(config, 100, block_size=32).kv_cache.k.shape == (3, 4, 2, 32, 16)
     # Capped at the model's context length.
-    assert KVCache.from_config(config, 10_000).max_seq_len == 512
+    assert SequenceCache.from_config(config, 10_000).max_seq_len == 512
     # An explicit head_dim (not hidden // heads) is honoured.
     config.head_dim = 32
-    assert KVCache.from_config(config, 8, dtype=torch.float32).k.shape == (3, 1, 2, 8, 32)
-
-
-def test_contiguous_metadata():
-    prefill_meta = AttentionMetadata.contiguous(0, 5)
-    assert prefill_meta.is_prefill and prefill_meta.attn_mask is None
-    decode_meta = AttentionMetadata.contiguous(7, 1)
-    assert not decode_meta.is_prefill and decode_meta.attn_mask is None
-    assert decode_meta.context_len == 8
-    verify = AttentionMetadata.contiguous(4, 3)
-    assert verify.attn_mask.shape == (1, 1, 3, 7)
-    # Token at position 5 sees keys 0..5 only.
-    assert verify.attn_mask[0, 0, 1].tolist() == [True] * 6 + [False]
-    # A single token at position 0 is not a prefill of several tokens but sees only itself.
-    first = AttentionMetadata.contiguous(0, 1)
-    assert first.context_len == 1
-
-
-def test_request_that_does_not_fit_is_rejected_before_work(tiny_loaded):
-    kv = KVCache.from_config(tiny_loaded.config, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match="exceeds"):
-        check_request(10, SamplingParams(max_new_tokens=7), kv.max_seq_len)
-    check_request(10, SamplingParams(max_new_tokens=6), kv.max_seq_len)
-    with pytest.raises(ValueError, match="empty"):
-        check_request(0, SamplingParams(), kv.max_seq_len)
-    gen = generate_token_ids(tiny_loaded.model, list(range(3, 13)), SamplingParams(max_new_tokens=7), kv, [])
-    with pytest.raises(ValueError):
-        next(gen)
-    assert kv.seq_lens == [0]
+    assert SequenceCache.from_config(config, 8, dtype=torch.float32).kv_cache.k.shape == (3, 1, 2, 16, 32)

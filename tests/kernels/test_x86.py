@@ -136,40 +136,6 @@ def test_fused_ops_match_their_twins(dtype):
                           rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030), (2, 3, 1, 64, 5), (1, 1, 9, 32, 600), (1, 2, 14, 64, 257),
-                                   (1, 2, 3, 48, 37), (1, 1, 2, 16, 300), (1, 1, 4, 80, 16)])
-def test_decode_attention_matches_sdpa(dtype, tol, shape):
-    b, h, r, d, length = shape
-    torch.manual_seed(length)
-    q = torch.randn(b, h, r, d).to(dtype)
-    cache_k, cache_v = torch.randn(b, h, 2048, d).to(dtype), torch.randn(b, h, 2048, d).to(dtype)
-    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # strided views, as the KV cache gives
-    out = fused.decode_attention(q, k, v, d ** -0.5)
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=d ** -0.5)
-    assert (out.float() - expected).abs().max().item() <= tol
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", [(1, 2, 6, 128, 1030, 5), (1, 2, 7, 64, 300, 8), (2, 1, 3, 48, 257, 2),
-                                   (1, 1, 1, 32, 9, 9)])
-def test_causal_tokens_match_sdpa_and_one_token_calls(dtype, tol, shape):
-    # Speculative verification: T new tokens (rows token-major), token t sees keys up to its own.
-    b, h, group, d, length, num_tokens = shape
-    torch.manual_seed(length)
-    q = torch.randn(b, h, num_tokens * group, d).to(dtype)
-    k, v = torch.randn(b, h, length, d).to(dtype), torch.randn(b, h, length, d).to(dtype)
-    out = fused.decode_attention(q, k, v, d ** -0.5, num_tokens)
-    # The definition: one masked attention, token t (rows token-major) seeing keys up to its own.
-    last_key = length - num_tokens + torch.arange(num_tokens * group) // group  # [rows]
-    mask = torch.arange(length) <= last_key[:, None]  # [rows, keys]
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=d ** -0.5)
-    assert (out.float() - expected).abs().max().item() <= tol
-    reference = fused.reference_decode_attention(q.float(), k.float(), v.float(), d ** -0.5, num_tokens)
-    assert (reference - expected).abs().max().item() <= 1e-5
-    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.decode_attention(*qkv, d ** -0.5), q, k, v, num_tokens)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_causal_tokens_equal_one_token_calls(dtype):
     # The twin is what runs on CUDA: each token must get exactly its one-token result, or
@@ -178,16 +144,16 @@ def test_reference_causal_tokens_equal_one_token_calls(dtype):
     group, d, length, num_tokens = 3, 32, 40, 4
     q = torch.randn(1, 2, num_tokens * group, d).to(dtype)
     cache_k, cache_v = torch.randn(1, 2, 64, d).to(dtype), torch.randn(1, 2, 64, d).to(dtype)
-    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of a longer cache, as in decoding
-    out = fused.reference_decode_attention(q, k, v, d ** -0.5, num_tokens)
-    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.reference_decode_attention(*qkv, d ** -0.5),
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of longer keys, as the paged twin passes them
+    out = fused.per_token_attention(q, k, v, d ** -0.5, num_tokens)
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.per_token_attention(*qkv, d ** -0.5),
                                         q, k, v, num_tokens)
 
 
 def test_causal_tokens_bad_shape_is_a_value_error():
     q, k = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 8, 32)
     with pytest.raises(ValueError, match="tokens"):
-        fused.decode_attention(q, k, k, 1.0, num_tokens=2)
+        fused.per_token_attention(q, k, k, 1.0, num_tokens=2)
 
 
 def _paged_batch(dtype, block_size, seqs, num_heads=6, num_kv_heads=2, head_dim=64):
@@ -213,27 +179,71 @@ def _paged_batch(dtype, block_size, seqs, num_heads=6, num_kv_heads=2, head_dim=
 _PAGED_SEQS = [(1, 300), (5, 40), (37, 37), (1, 1), (3, 600), (270, 530)]
 
 
+def _gathered(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's keys (or values) from its blocks: [num_blocks, kv_heads, block_size, D] ->
+    [kv_heads, length, D], contiguous."""
+    return blocks[table].transpose(0, 1).flatten(1, 2)[:, :length].contiguous()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size", [2, 16, 64])
-def test_paged_attention_matches_twin_and_decode_attention(dtype, tol, block_size):
+def test_paged_attention_matches_twin_and_any_block_layout(dtype, tol, block_size):
     torch.manual_seed(block_size)
     q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(dtype, block_size, _PAGED_SEQS)
     out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
     twin = fused.reference_paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
     assert (out.float() - twin.float()).abs().max().item() <= tol
     num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
-    group = q.shape[1] // num_kv_heads
     for i, (num_new, length) in enumerate(_PAGED_SEQS):
-        # The same keys, contiguous: decode_attention gives every row bit for bit.
+        # The same keys alone in one contiguous block (the smallest power of two that holds
+        # them): the kernel only addresses keys through the table, so every row is the same bits.
         table = tables[i, :(length + block_size - 1) // block_size]
-        k = k_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :length].contiguous()
-        v = v_blocks[table].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[None, :, :length].contiguous()
-        q_seq = q[query_start_loc[i]:query_start_loc[i + 1]]
-        q_rows = q_seq.reshape(num_new, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
-        q_rows = q_rows.reshape(1, num_kv_heads, num_new * group, head_dim).contiguous()
-        expected = fused.decode_attention(q_rows, k, v, 0.125, num_new)
-        expected = expected.view(num_kv_heads, num_new, group, head_dim).permute(1, 0, 2, 3).reshape(q_seq.shape)
-        assert torch.equal(out[query_start_loc[i]:query_start_loc[i + 1]], expected)
+        one_block = 1 << max(1, (length - 1).bit_length())
+        k = torch.zeros(1, num_kv_heads, one_block, head_dim, dtype=dtype)  # [1 block, kv_heads, one_block, D]
+        v = torch.zeros_like(k)
+        k[0, :, :length], v[0, :, :length] = _gathered(k_blocks, table, length), _gathered(v_blocks, table, length)
+        rows = slice(query_start_loc[i], query_start_loc[i + 1])
+        alone = fused.paged_attention(q[rows], k, v, torch.zeros(1, 1, dtype=torch.long), [0, num_new], [length],
+                                      0.125)
+        assert torch.equal(out[rows], alone), f"sequence {i}"
+
+
+# (num_seqs, kv_heads, group, head_dim, context_len, num_new): decode steps at head dims 16 to
+# 128 over 1 to 5 fixed 256-key splits with tails; verification of a few tokens; a whole prompt
+# (num_new == context_len).
+_SDPA_SHAPES = [(1, 2, 6, 128, 1030, 1), (2, 3, 1, 64, 5, 1), (1, 1, 9, 32, 600, 1), (1, 2, 14, 64, 257, 1),
+                (1, 2, 3, 48, 37, 1), (1, 1, 2, 16, 300, 1), (1, 1, 4, 80, 16, 1), (1, 2, 6, 128, 1030, 5),
+                (1, 2, 7, 64, 300, 8), (2, 1, 3, 48, 257, 2), (1, 1, 1, 32, 9, 9)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", _SDPA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_paged_attention_matches_masked_sdpa_and_one_token_calls(dtype, tol, shape):
+    # The definition: each new token attends over the keys up to its own, in fp32; and each
+    # token's row equals its own one-token step, as speculative verification needs.
+    num_seqs, kv_heads, group, d, length, num_new = shape
+    torch.manual_seed(length)
+    q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(
+        dtype, 16, [(num_new, length)] * num_seqs, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=d)
+    scale = d ** -0.5
+    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, scale)
+    twin = fused.reference_paged_attention(q.float(), k_blocks.float(), v_blocks.float(), tables, query_start_loc,
+                                           context_lens, scale)
+    table_len = (length + 15) // 16
+    mask = torch.arange(length) <= torch.arange(length - num_new, length)[:, None]  # [num_new, keys]
+    for i in range(num_seqs):
+        rows = slice(query_start_loc[i], query_start_loc[i + 1])
+        k = _gathered(k_blocks, tables[i, :table_len], length).float()  # [kv_heads, length, D]
+        v = _gathered(v_blocks, tables[i, :table_len], length).float()
+        expected = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True).transpose(0, 1)  # [num_new, heads, D]
+        assert (out[rows].float() - expected).abs().max().item() <= tol
+        assert (twin[rows] - expected).abs().max().item() <= 1e-5
+        for t in range(num_new):
+            row = query_start_loc[i] + t
+            one = fused.paged_attention(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
+                                        [length - num_new + t + 1], scale)
+            assert torch.equal(out[row], one[0]), f"sequence {i}, token {t}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

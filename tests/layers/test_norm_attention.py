@@ -1,12 +1,14 @@
-"""RMSNorm against transformers, and cached attention against a naive reference."""
+"""RMSNorm against transformers, and paged attention against a naive reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastdraft.layers.attention import cached_attention
-from fastdraft.layers.kv_cache import AttentionMetadata
+from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.fused import paged_attention_kernel_applies
+from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS, paged_attention
+from fastdraft.layers.kv_cache import Span, flat_batch
 from fastdraft.layers.norm import RMSNorm
 
 
@@ -32,32 +34,60 @@ def test_rms_norm_matches_transformers(dtype):
 
 
 def _naive(q, k, v, positions, scale):
-    """Reference: repeat K/V per group, explicit mask key_pos <= query_pos, softmax."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale  # [b, h, t, ctx]
-    key_pos = torch.arange(k.shape[2])
-    allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, t, ctx]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    """Reference: repeat K/V per group, explicit mask key_pos <= query_pos, softmax.
+
+    q [heads, num_new, dim], k/v [kv_heads, context_len, dim], positions [num_new]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [heads, num_new, context_len]
+    key_pos = torch.arange(k.shape[1])
+    allowed = key_pos[None, :] <= positions[:, None]  # [num_new, context_len]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
+# Sequences of a flat batch as (new tokens, context length).
+CASES = {
+    "prefill": [(6, 6)],
+    "decode": [(1, 10)],
+    "append": [(3, 8), (3, 5)],  # verification of two sequences at different positions
+    # A prompt, a decode step, and a chunk after a cached prefix too long for one-token calls
+    # (the masked path).
+    "mixed": [(6, 6), (1, 10), (MAX_CAUSAL_DECODE_TOKENS + 4, 20)],
+}
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(8, 4), (16, 6), (16, 4)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("case", ["prefill", "decode", "append"])
-def test_cached_attention_matches_naive(num_heads, num_kv_heads, case):
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_matches_naive(num_heads, num_kv_heads, case, head_dim, block_size):
+    # head_dim 8 and block size 6 are outside the C++ kernel's shapes: PyTorch's path runs;
+    # head_dim 16 in blocks of 4 runs the C++ kernel where the CPU kernels are built.
     torch.manual_seed(1)
-    head_dim, scale = 8, 8 ** -0.5
-    if case == "prefill":
-        meta = AttentionMetadata.contiguous(0, 6)
-    elif case == "decode":
-        meta = AttentionMetadata.contiguous(9, 1)
-    else:
-        meta = AttentionMetadata.batched(torch.tensor([[5, 6, 7], [2, 3, 4]]), torch.tensor([0, 1]))
-    batch, num_tokens = meta.positions.shape
-    ctx = meta.context_len
-    q = torch.randn(batch, num_heads, num_tokens, head_dim) * 2
-    k = torch.randn(batch, num_kv_heads, ctx, head_dim) * 2
-    v = torch.randn(batch, num_kv_heads, ctx, head_dim)
-    out = cached_attention(q, k, v, meta, scale)
+    scale = head_dim ** -0.5
+    seqs = CASES[case]
+    # Blocks handed out in reverse, so no sequence's blocks are in pool order.
+    num_blocks = sum(-(-length // block_size) for _, length in seqs) + 1
+    free = list(range(num_blocks))
+    spans = []
+    for num_new, length in seqs:
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        spans.append(Span([0] * num_new, length - num_new, table))
+    _, meta = flat_batch(spans, block_size, "cpu")
+    # Every slot random, the unused ones and those past each context too: keys to be masked.
+    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim) * 2
+    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2  # [num_tokens, heads, dim]
+    out = paged_attention(q, k_blocks, v_blocks, meta, scale)
     assert out.shape == q.shape
-    torch.testing.assert_close(out, _naive(q, k, v, meta.positions, scale), atol=1e-5, rtol=1e-5)
+    is_kernel = head_dim == 16 and block_size == 4 and load_x86_extension() is not None
+    assert paged_attention_kernel_applies(q, k_blocks) == is_kernel
+    for i, (num_new, length) in enumerate(seqs):
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        table = torch.tensor(spans[i].block_table)
+        # [blocks, kv_heads, block_size, dim] -> [kv_heads, context_len, dim]
+        k = k_blocks[table].transpose(0, 1).flatten(1, 2)[:, :length]
+        v = v_blocks[table].transpose(0, 1).flatten(1, 2)[:, :length]
+        expected = _naive(q[rows].transpose(0, 1), k, v, meta.positions[rows], scale)  # [heads, num_new, dim]
+        torch.testing.assert_close(out[rows], expected.transpose(0, 1), atol=1e-5, rtol=1e-5,
+                                   msg=f"sequence {i}")

@@ -1,13 +1,16 @@
-"""The tiny model on CUDA gives the same logits as on CPU (skipped without a GPU)."""
+"""The tiny model on CUDA (skipped without a GPU): the module path over the paged cache gives
+the CPU's logits, alone and in flat batches; the engine decodes the CPU's tokens; a
+verification's rows equal its one-token steps bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator, decode_one_token, prefill
+from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import AttentionMetadata, KVCache
+from fastdraft.kernels.fused import per_token_attention
+from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache, Span, flat_batch
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import assert_tokens_equal_one_token_calls
 
@@ -15,6 +18,8 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+DEVICE = "cuda"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,53 +31,89 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def _append_logits(model, cache: SequenceCache, token_ids: list[int] | torch.Tensor,
+                   rows: list[int] | None = None) -> torch.Tensor:
+    """fp32 logits [len(rows), vocab_size] (default: every row) of ``token_ids`` appended to
+    ``cache``, through the module path (all that runs on CUDA), on the CPU."""
+    input_ids, meta = cache.append(token_ids)  # on the cache's device
+    rows = list(range(meta.num_tokens)) if rows is None else rows
+    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows).cpu()
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_cuda_logits_match_cpu(tiny_models, variant):
     cpu = load_model(tiny_models.dir(variant), dtype="fp32")
-    gpu = load_model(tiny_models.dir(variant), dtype="fp32", device="cuda")
-    assert gpu.model.device.type == "cuda"
-    ids = torch.randint(3, cpu.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    kv_cpu = KVCache.from_config(cpu.config, 64, dtype=torch.float32)
-    kv_gpu = KVCache.from_config(gpu.config, 64, dtype=torch.float32, device="cuda")
-    assert kv_gpu.k.device.type == "cuda"
-    torch.testing.assert_close(prefill(gpu.model, ids[:, :12].cuda(), kv_gpu).cpu(),
-                               prefill(cpu.model, ids[:, :12], kv_cpu), atol=1e-4, rtol=0)
-    for pos in range(12, 16):
-        torch.testing.assert_close(decode_one_token(gpu.model, ids[:, pos:pos + 1].cuda(), kv_gpu).cpu(),
-                                   decode_one_token(cpu.model, ids[:, pos:pos + 1], kv_cpu), atol=1e-4, rtol=0)
-    # Verification shape: several tokens on a non-empty cache.
-    out = []
-    for model, kv, dev in ((cpu.model, kv_cpu, "cpu"), (gpu.model, kv_gpu, "cuda")):
-        meta = kv.append(4)
-        out.append(model.compute_logits(model(ids[:, 16:20].to(dev), kv, meta)).cpu())
-    torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=0)
+    gpu = load_model(tiny_models.dir(variant), dtype="fp32", device=DEVICE)
+    assert gpu.model.device.type == DEVICE
+    assert gpu.model.fused_decoder() is None  # the C++ step is CPU-only: CUDA runs the module path
+    ids = torch.randint(3, cpu.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    kv_cpu = SequenceCache.from_config(cpu.config, 64, dtype=torch.float32)
+    kv_gpu = SequenceCache.from_config(gpu.config, 64, dtype=torch.float32, device=DEVICE)
+    assert kv_gpu.kv_cache.k.device.type == DEVICE
+    # A prompt, one-token steps, a verification's shape (several tokens on a non-empty cache),
+    # then a chunk longer than the per-token attention takes (the masked SDPA path).
+    for start, end in ((0, 12), (12, 13), (13, 14), (14, 15), (15, 16), (16, 20), (20, 31), (31, 32)):
+        want = _append_logits(cpu.model, kv_cpu, ids[start:end])  # [end - start, vocab_size]
+        got = _append_logits(gpu.model, kv_gpu, ids[start:end])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"tokens {start}:{end}")
+    assert kv_gpu.num_tokens == 32
 
 
 @torch.inference_mode()
-def test_cuda_batched_forward_matches_cpu(tiny_models):
+def test_cuda_flat_batch_matches_cpu(tiny_models):
+    """Steps mixing prompts, a chunked prompt, decodes and a verification, each sequence in
+    blocks of its own, give the CPU's logits on every row."""
     cpu = load_model(tiny_models.dir("llama"), dtype="fp32")
-    gpu = load_model(tiny_models.dir("llama"), dtype="fp32", device="cuda")
-    ids = torch.randint(3, cpu.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
-    positions = torch.tensor([list(range(0, 6)), list(range(0, 6))])
-    results = []
-    for loaded, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        kv = KVCache.from_config(loaded.config, 16, max_batch_size=2, dtype=torch.float32, device=dev)
-        meta = AttentionMetadata.batched(positions.to(dev), torch.tensor([1, 0], device=dev))
-        results.append(loaded.model.compute_logits(loaded.model(ids.to(dev), kv, meta)).cpu())
-    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=0)
+    gpu = load_model(tiny_models.dir("llama"), dtype="fp32", device=DEVICE)
+    block_size = 4
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, cpu.config.vocab_size, (30,), generator=gen).tolist() for _ in range(3)]
+    tables = [[9, 2, 17, 4, 11, 0, 20, 6], [1, 13, 3, 22, 8, 15, 5, 18], [7, 19, 10, 23, 12, 14, 16, 21]]
+    # (sequence, first position, number of tokens) per step
+    steps = [[(0, 0, 9), (1, 0, 6)], [(0, 9, 1), (1, 6, 11), (2, 0, 3)], [(0, 10, 1), (1, 17, 1), (2, 3, 5)]]
+    results = {}
+    for loaded, device in ((cpu, "cpu"), (gpu, DEVICE)):
+        kv = PagedKVCache.from_config(loaded.config, 24, block_size, dtype=torch.float32, device=device)
+        results[device] = []
+        for step in steps:
+            spans = [Span(tokens[seq][start:start + num], start, tables[seq]) for seq, start, num in step]
+            input_ids, meta = flat_batch(spans, block_size, device)
+            assert meta.block_tables.device.type == meta.slot_mapping.device.type == device
+            hidden = loaded.model(input_ids, meta.positions, kv, meta)  # [num_tokens, hidden_size]
+            results[device].append(loaded.model.compute_logits(hidden).cpu())  # [num_tokens, vocab_size]
+    for i, (got, want) in enumerate(zip(results[DEVICE], results["cpu"])):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"step {i}")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@torch.inference_mode()
+def test_cuda_verification_rows_equal_one_token_steps(tiny_models, dtype):
+    """Greedy speculative decoding on CUDA reproduces plain decoding only if each verified
+    token's logits are, bit for bit, those of its one-token step."""
+    gpu = load_model(tiny_models.dir("qwen2"), dtype=dtype, device=DEVICE)
+    model = gpu.model
+    ids = torch.randint(3, gpu.config.vocab_size, (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompt, drafts = ids[:9], ids[9:]
+    caches = [SequenceCache.from_config(gpu.config, 64, dtype=model.dtype, device=DEVICE) for _ in range(2)]
+    for cache in caches:
+        _append_logits(model, cache, prompt, rows=[len(prompt) - 1])
+    verified = _append_logits(model, caches[0], drafts)  # [4, vocab_size]
+    steps = torch.cat([_append_logits(model, caches[1], [token]) for token in drafts])  # [4, vocab_size]
+    assert torch.equal(verified, steps)
 
 
 def test_cuda_text_generation(tiny_models):
-    gpu = load_model(tiny_models.dir("llama"), dtype="fp32", device="cuda")
+    gpu = load_model(tiny_models.dir("llama"), dtype="fp32", device=DEVICE)
     cpu = load_model(tiny_models.dir("llama"), dtype="fp32")
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    a = TextGenerator(gpu, max_seq_len=64).generate("the cat", params)
+    gen = TextGenerator(gpu, max_seq_len=64)
+    assert gen.engine.kv_cache.k.device.type == DEVICE and gen.engine.runner.decoder is None
+    a = gen.generate("the cat", params)
     b = TextGenerator(cpu, max_seq_len=64).generate("the cat", params)
     assert len(a.token_ids) == 16
     assert a.token_ids == b.token_ids
     seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
-    gen = TextGenerator(gpu, max_seq_len=64)
     assert gen.generate("the cat", seeded).token_ids == gen.generate("the cat", seeded).token_ids
 
 
@@ -82,13 +123,19 @@ def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
     changes at every step (2.1 ms of host time per call on an H100): decode must avoid it."""
     from torch.profiler import ProfilerActivity, profile
 
-    gpu = load_model(tiny_models.dir("llama"), dtype="bf16", device="cuda")
-    kv = KVCache.from_config(gpu.config, 64, dtype=torch.bfloat16, device="cuda")
-    ids = torch.randint(3, gpu.config.vocab_size, (1, 12), device="cuda")
-    token = prefill(gpu.model, ids, kv).argmax(-1, keepdim=True)
+    gpu = load_model(tiny_models.dir("llama"), dtype="bf16", device=DEVICE)
+    cache = SequenceCache.from_config(gpu.config, 64, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.randint(3, gpu.config.vocab_size, (12,), device=DEVICE)
+
+    def greedy(token_ids) -> torch.Tensor:
+        """Append ``token_ids``; the argmax [1] of the last row's logits."""
+        return _append_logits(gpu.model, cache, token_ids, rows=[len(token_ids) - 1]).argmax(-1)
+
+    token = greedy(ids)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            token = decode_one_token(gpu.model, token, kv).argmax(-1, keepdim=True)
+            token = greedy(token)
+        greedy(torch.cat([token, token, token]))  # a verification's shape
     names = {event.key for event in prof.key_averages()}
     assert any("scaled_dot_product" in name for name in names)  # the profile saw attention
     assert not any("cudnn_attention" in name for name in names)
@@ -98,13 +145,11 @@ def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
 def test_cuda_verification_attention_equals_one_token_steps(dtype):
     """On CUDA attention runs the PyTorch twin: each verified token must get exactly the result
     of its one-token step, so that greedy speculative decoding reproduces plain decoding."""
-    from fastdraft.kernels.fused import decode_attention
-
     torch.manual_seed(0)
     group, d, length, num_tokens = 6, 64, 300, 5
-    q = torch.randn(1, 2, num_tokens * group, d, device="cuda").to(dtype)
-    cache_k = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
-    cache_v = torch.randn(1, 2, 512, d, device="cuda").to(dtype)
+    q = torch.randn(1, 2, num_tokens * group, d, device=DEVICE).to(dtype)
+    cache_k = torch.randn(1, 2, 512, d, device=DEVICE).to(dtype)
+    cache_v = torch.randn(1, 2, 512, d, device=DEVICE).to(dtype)
     k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of a longer cache, as in decoding
-    out = decode_attention(q, k, v, d ** -0.5, num_tokens)
-    assert_tokens_equal_one_token_calls(out, lambda *qkv: decode_attention(*qkv, d ** -0.5), q, k, v, num_tokens)
+    out = per_token_attention(q, k, v, d ** -0.5, num_tokens)
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: per_token_attention(*qkv, d ** -0.5), q, k, v, num_tokens)

@@ -10,7 +10,7 @@ import torch
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf
 from fastdraft.models.loader import load_state_dict
 from fastdraft.tokenizer import Tokenizer
@@ -69,11 +69,13 @@ def test_convert_recovers_weights_exactly(gguf_files, tiny_models, tmp_path, var
 def test_converted_folder_loads_and_matches_reference_logits(gguf_files, tiny_models, tmp_path, variant, arch):
     out = convert_gguf_to_hf(gguf_files[variant], tmp_path / "hf", dtype=torch.float32)
     loaded = load_model(out, dtype="fp32")
-    ids = torch.randint(3, loaded.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
-    kv = KVCache.from_config(loaded.config, 16, dtype=torch.float32)
+    ids = torch.randint(3, loaded.config.vocab_size, (10,), generator=torch.Generator().manual_seed(0))
+    cache = SequenceCache.from_config(loaded.config, 16, dtype=torch.float32)
     with torch.inference_mode():
-        logits = loaded.model.compute_logits(loaded.model(ids, kv, kv.append(10)))
-        ref = tiny_models.hf(variant)(ids).logits
+        input_ids, meta = cache.append(ids)
+        hidden = loaded.model(input_ids, meta.positions, cache.kv_cache, meta)  # [10, hidden_size]
+        logits = loaded.model.compute_logits(hidden)  # [10, vocab_size]
+        ref = tiny_models.hf(variant)(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 

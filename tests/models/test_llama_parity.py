@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.generate import decode_one_token, prefill
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.loader import build_model, load_state_dict
 
 ATOL = 1e-4
@@ -56,41 +55,61 @@ def test_tied_embeddings_share_storage(tiny_models):
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
+def _append(model, cache: SequenceCache, token_ids: torch.Tensor, decoder=None) -> torch.Tensor:
+    """Logits [num_tokens, vocab_size] of ``token_ids`` appended to ``cache``, every row."""
+    input_ids, meta = cache.append(token_ids)
+    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, list(range(meta.num_tokens)), decoder)
+
+
+def _decoder(model, path: str):
+    """None for the module path; the model's C++ step for "fused" (skipped without the kernels)."""
+    if path == "module":
+        return None
+    decoder = model.fused_decoder()
+    if decoder is None:
+        pytest.skip("no C++ decoder step without fastdraft's CPU kernels")
+    return decoder
+
+
 @torch.inference_mode()
 def test_prefill_logits_all_positions(pair):
     ours, config, ref, ids = pair
-    kv = KVCache.from_config(config, 64, dtype=torch.float32)
-    meta = kv.append(PROMPT_LEN)
-    assert meta.is_prefill
-    logits = ours.compute_logits(ours(ids[:, :PROMPT_LEN], kv, meta))
-    assert logits.shape == (1, PROMPT_LEN, config.vocab_size)
+    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
+    input_ids, meta = cache.append(ids[0, :PROMPT_LEN])
+    assert meta.positions.tolist() == list(range(PROMPT_LEN)) and meta.context_lens == [PROMPT_LEN]
+    logits = ours.compute_logits(ours(input_ids, meta.positions, cache.kv_cache, meta))
+    assert logits.shape == (PROMPT_LEN, config.vocab_size)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, ref[:, :PROMPT_LEN], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, ref[0, :PROMPT_LEN], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("path", ["module", "fused"])
 @torch.inference_mode()
-def test_incremental_decode_matches_full_sequence(pair):
+def test_incremental_decode_matches_full_sequence(pair, path):
     ours, config, ref, ids = pair
-    kv = KVCache.from_config(config, 64, dtype=torch.float32)
-    last = prefill(ours, ids[:, :PROMPT_LEN], kv)
-    torch.testing.assert_close(last, ref[:, PROMPT_LEN - 1], atol=ATOL, rtol=0)
+    decoder = _decoder(ours, path)
+    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
+    last = _append(ours, cache, ids[0, :PROMPT_LEN], decoder)[-1]  # [vocab_size]
+    torch.testing.assert_close(last, ref[0, PROMPT_LEN - 1], atol=ATOL, rtol=0)
     for pos in range(PROMPT_LEN, ids.shape[1]):
-        logits = decode_one_token(ours, ids[:, pos:pos + 1], kv)
-        torch.testing.assert_close(logits, ref[:, pos], atol=ATOL, rtol=0, msg=f"position {pos}")
-    assert kv.seq_lens[0] == ids.shape[1]
+        logits = _append(ours, cache, ids[0, pos:pos + 1], decoder)  # [1, vocab_size]
+        torch.testing.assert_close(logits, ref[0, pos:pos + 1], atol=ATOL, rtol=0, msg=f"position {pos}")
+    assert cache.num_tokens == ids.shape[1]
 
 
+@pytest.mark.parametrize("path", ["module", "fused"])
 @torch.inference_mode()
-def test_multi_token_append_on_nonempty_cache(pair):
+def test_multi_token_append_on_nonempty_cache(pair, path):
     """The speculative-verification shape: start > 0 and several new tokens at once."""
     ours, config, ref, ids = pair
-    kv = KVCache.from_config(config, 64, dtype=torch.float32)
-    prefill(ours, ids[:, :8], kv)
+    decoder = _decoder(ours, path)
+    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
+    _append(ours, cache, ids[0, :8], decoder)
     for start, n in ((8, 5), (13, 1), (14, 4), (18, 6)):
-        meta = kv.append(n)
-        assert meta.positions[0, 0] == start and not meta.is_prefill
-        logits = ours.compute_logits(ours(ids[:, start:start + n], kv, meta))
-        torch.testing.assert_close(logits, ref[:, start:start + n], atol=ATOL, rtol=0,
+        input_ids, meta = cache.append(ids[0, start:start + n])
+        assert meta.positions.tolist() == list(range(start, start + n)) and meta.context_lens == [start + n]
+        logits = ours.logits(input_ids, meta.positions, cache.kv_cache, meta, list(range(n)), decoder)
+        torch.testing.assert_close(logits, ref[0, start:start + n], atol=ATOL, rtol=0,
                                    msg=f"append of {n} at {start}")
 
 
@@ -101,11 +120,11 @@ def test_bf16_close_to_fp32(tiny_models):
     config = ModelConfig.from_file(model_dir / "config.json")
     ours = build_model(config, load_state_dict(model_dir), torch.bfloat16)
     assert ours.dtype == torch.bfloat16
-    ids = torch.randint(3, config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, config.vocab_size, (10,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        ref = tiny_models.hf("qwen2")(ids).logits
-    kv = KVCache.from_config(config, 32, dtype=torch.bfloat16)
-    logits = ours.compute_logits(ours(ids, kv, kv.append(10)))
+        ref = tiny_models.hf("qwen2")(ids[None]).logits[0]  # [10, vocab_size]
+    cache = SequenceCache.from_config(config, 32, dtype=torch.bfloat16)
+    logits = _append(ours, cache, ids)
     assert logits.dtype == torch.float32
     scale = ref.abs().max()
     assert (logits - ref).abs().max() < 0.1 * scale

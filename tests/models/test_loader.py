@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from fastdraft.config import ModelConfig
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.loader import build_model, load_state_dict, parse_dtype, resolve_model_dir
 from tests.helpers import write_tiny_gguf
 
@@ -53,11 +53,13 @@ def test_gguf_path_is_converted_once_into_the_cache(tmp_path, isolated_home, tin
     assert resolve_model_dir(path) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not converted again
     loaded = load_model(path, dtype="fp32")
-    ids = torch.tensor([[5, 9, 30, 7, 100]])
-    kv = KVCache.from_config(loaded.config, 8, dtype=torch.float32)
+    ids = [5, 9, 30, 7, 100]
+    cache = SequenceCache.from_config(loaded.config, 8, dtype=loaded.model.dtype)
     with torch.inference_mode():
-        logits = loaded.model.compute_logits(loaded.model(ids, kv, kv.append(5)))
-        ref = tiny_models.hf("qwen2")(ids).logits
+        input_ids, meta = cache.append(ids)
+        hidden = loaded.model(input_ids, meta.positions, cache.kv_cache, meta)  # [5, hidden_size]
+        logits = loaded.model.compute_logits(hidden)  # [5, vocab_size]
+        ref = tiny_models.hf("qwen2")(torch.tensor([ids])).logits[0]
     # The cached folder is bf16: close to, not equal to, the fp32 reference.
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdraft.engine.generate import generate_token_ids
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.tokenizer import IncrementalDetokenizer
 from tests.conftest import REAL_MODEL
@@ -40,12 +40,13 @@ def prompts(real_model_fp32) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def ours_greedy(real_model_fp32, prompts) -> dict[str, list[int]]:
-    """Our greedy continuation of every prompt (EOS ignored), computed once."""
-    loaded = real_model_fp32
-    kv = KVCache.from_config(loaded.config, 256, dtype=torch.float32)
+    """Our greedy continuation of every prompt (EOS ignored), computed once by the serving
+    engine, all prompts in one batch (its steps are batch-invariant: as if each ran alone)."""
+    engine = LLMEngine(real_model_fp32, EngineConfig(max_num_seqs=len(prompts), max_model_len=256,
+                                                     num_blocks=len(prompts) * 256 // 16))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    return {name: list(generate_token_ids(loaded.model, ids, params, kv, loaded.config.eos_token_ids))
-            for name, ids in prompts.items()}
+    outputs = run_to_completion(engine, list(prompts.values()), [params] * len(prompts))
+    return {name: out.token_ids for name, out in zip(prompts, outputs)}
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +85,15 @@ def test_greedy_tokens_are_transformers_argmax(hf_model, real_model_fp32, prompt
     step must be our token. By induction this is the same as transformers' greedy output."""
     ids, ours = prompts[name], ours_greedy[name]
     assert len(ours) == NEW_TOKENS
-    full = torch.tensor([ids + ours])
+    full = ids + ours
+    rows = list(range(len(ids) - 1, len(full) - 1))  # the positions that predicted our tokens
     with torch.inference_mode():
-        ref = hf_model(full).logits[0, len(ids) - 1:-1]  # [NEW_TOKENS, vocab]
+        ref = hf_model(torch.tensor([full])).logits[0, rows]  # [NEW_TOKENS, vocab]
+        # Ours through the module path in one pass over the whole sequence.
         model = real_model_fp32.model
-        kv = KVCache.from_config(real_model_fp32.config, 256, dtype=torch.float32)
-        logits = model.compute_logits(model(full, kv, kv.append(full.shape[1])))[0, len(ids) - 1:-1]
+        cache = SequenceCache.from_config(real_model_fp32.config, 256, dtype=torch.float32)
+        input_ids, meta = cache.append(full)
+        logits = model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows)  # [NEW_TOKENS, vocab]
     assert ref.argmax(-1).tolist() == ours
     # Our full-sequence logits agree with transformers' to fp32 accuracy (|logits| ~ 20-30),
     # not just in their argmax.

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import QuantConfig
@@ -13,9 +13,11 @@ from fastdraft.quant.quantizer import quantize_model
 
 
 def _logits(model, ids):
-    cache = KVCache.from_config(model.config, ids.shape[1], dtype=model.dtype)
+    """Every position's logits of the prompt ``ids`` [1, T], through the module path."""
+    cache = SequenceCache.from_config(model.config, ids.shape[1], dtype=model.dtype)
+    input_ids, meta = cache.append(ids[0])
     with torch.inference_mode():
-        return model.compute_logits(model(ids, cache, cache.append(ids.shape[1])))
+        return model.compute_logits(model(input_ids, meta.positions, cache.kv_cache, meta))  # [T, vocab_size]
 
 
 CONFIGS = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdraft.engine.loader import load_model
-from fastdraft.engine.timing import GreedyDecodeTimer
+from fastdraft.engine.timing import DecodeStepTimer
 from fastdraft.quant import auto
 from fastdraft.quant.auto import (AutoResult, AutoSearchSpace, Candidate, auto_quantize, estimate_weight_bytes,
                                   report_markdown)
@@ -162,8 +162,8 @@ def test_report_says_clearly_when_nothing_meets_the_target():
     assert "NO configuration met the target" in markdown and "Test set" not in markdown
 
 
-def timer(loaded, space: AutoSearchSpace) -> GreedyDecodeTimer:
-    return GreedyDecodeTimer.for_code(loaded.tokenizer, space.num_decode_tokens)
+def timer(space: AutoSearchSpace) -> DecodeStepTimer:
+    return DecodeStepTimer(space.num_decode_tokens)
 
 
 def _space(**kwargs) -> AutoSearchSpace:
@@ -188,7 +188,7 @@ def test_walk_goes_from_fewest_bytes_to_most_and_stops_at_the_first_within_targe
     space = _space(max_loss=1e-3)
     with monkeypatch.context() as patch:
         patch.setattr(auto, "evaluate", _losing)
-        result, model = auto_quantize(loaded, space, timer(loaded, space), show_progress=False,
+        result, model = auto_quantize(loaded, space, timer(space), show_progress=False,
                                       report_dir=tmp_path / "none", selection=selection, test=test)
     assert model is None and result.best is None and result.test is None and not test.reads
     steps = [c.step for c in result.candidates]
@@ -204,7 +204,7 @@ def test_walk_goes_from_fewest_bytes_to_most_and_stops_at_the_first_within_targe
 
     # A loose target: the first (cheapest) candidate is chosen, then scored once on the test set.
     space = _space(max_loss=0.9, num_timing_rounds=2)
-    result, model = auto_quantize(loaded, space, timer(loaded, space), show_progress=False,
+    result, model = auto_quantize(loaded, space, timer(space), show_progress=False,
                                   report_dir=tmp_path / "chosen", selection=selection, test=test)
     assert [c.config.label for c in result.candidates] == ["rtn-int4-pc-asymf"]
     assert result.best is result.candidates[0] and result.best.is_within_target and result.best.is_retimed
@@ -229,12 +229,12 @@ def test_the_walk_never_reads_the_test_set(tiny_models):
         selection, test = FixedSet(TEXTS), FixedSet(test_texts)
         read_at = []
 
-        class Spy(GreedyDecodeTimer):
+        class Spy(DecodeStepTimer):
             def time(self, model):
                 read_at.append(len(test.reads))  # the test set must still be unread while candidates are timed
                 return super().time(model)
 
-        result, _ = auto_quantize(loaded, space, Spy.for_code(loaded.tokenizer, 2), show_progress=False,
+        result, _ = auto_quantize(loaded, space, Spy(2), show_progress=False,
                                   selection=selection, test=test)
         assert set(read_at) == {0} and len(test.reads) == (1 if result.best else 0)
         walks.append([(c.config.label, c.eval.ppl, c.eval.loss_interval) for c in result.candidates])
@@ -245,7 +245,7 @@ def test_explicit_candidates_are_walked_in_order_of_bytes(tiny_models, monkeypat
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     monkeypatch.setattr(auto, "evaluate", _losing)
     space = _space(max_loss=1e-3, candidates=("method=rtn,bits=8,group_size=-1", "method=rtn,group_size=32"))
-    result, _ = auto_quantize(loaded, space, timer(loaded, space), show_progress=False, selection=FixedSet(TEXTS),
+    result, _ = auto_quantize(loaded, space, timer(space), show_progress=False, selection=FixedSet(TEXTS),
                               test=FixedSet(TEXTS))
     assert [c.config.label for c in result.candidates] == ["rtn-int4-g32-sym", "rtn-int8-pc-sym"]
     assert {c.step for c in result.candidates} == {"explicit"}
@@ -279,11 +279,12 @@ def test_finalists_are_timed_again_in_turns():
     # look slowest; taking turns, each model's median sees the same drift.
     calls = []
 
-    def fake_time_decode(model, num_tokens, prompt_ids):
-        calls.append(model)
-        return model + len(calls)  # the "model" is its true latency; the drift is +1 ms per call
+    class Drifting(DecodeStepTimer):
+        def time(self, model):
+            calls.append(model)
+            return model + len(calls)  # the "model" is its true latency; the drift is +1 ms per call
 
-    drifting = GreedyDecodeTimer([1], 4, time_one=fake_time_decode)
+    drifting = Drifting(4)
     assert drifting.time_interleaved([10.0, 5.0, 7.0], num_rounds=3) == [14.0, 10.0, 13.0]
     assert calls == [10.0, 5.0, 7.0] * 3
 

@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 from fastdraft.cli import main
 from fastdraft.engine.loader import load_model
 from fastdraft.formats import WeightFormat, dequantize
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.registry import fastdraft_home
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import QuantConfig, format_spec, parse_format_spec
@@ -154,9 +154,9 @@ def test_a_model_keeps_its_gguf_blocks(quantized_gguf, tmp_path):
 
 
 def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
-    meta = cache.append(ids.shape[1])
-    return model.compute_logits(model(ids, cache, meta)[0])  # [num_tokens, vocab_size]
+    cache = SequenceCache.from_config(model.config, 64, dtype=torch.float32)
+    input_ids, meta = cache.append(ids[0])
+    return model.compute_logits(model(input_ids, meta.positions, cache.kv_cache, meta))  # [num_tokens, vocab_size]
 
 
 def test_quantizing_with_method_gguf_is_refused(tiny_loaded):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdraft.engine.loader import load_model
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.config import QuantConfig, parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
@@ -14,9 +14,9 @@ from fastdraft.quant.quantizer import quantize_model
 
 @torch.inference_mode()
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    cache = KVCache.from_config(model.config, 64, dtype=torch.float32)
-    meta = cache.append(ids.shape[1])
-    return model.compute_logits(model(ids, cache, meta)[0])  # [num_tokens, vocab_size]
+    cache = SequenceCache.from_config(model.config, 64, dtype=torch.float32)
+    input_ids, meta = cache.append(ids[0])
+    return model.compute_logits(model(input_ids, meta.positions, cache.kv_cache, meta))  # [num_tokens, vocab_size]
 
 
 def test_int6_linears_sit_between_int4_and_the_dense_model(tiny_models, tmp_path):

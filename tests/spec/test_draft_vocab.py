@@ -8,7 +8,7 @@ from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completi
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.sequence import Sequence
-from fastdraft.layers.kv_cache import KVCache, PagedKVCache
+from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec import draft_vocab
@@ -17,7 +17,7 @@ from fastdraft.spec.draft_length import DraftLengthPolicy, PassCost
 from fastdraft.spec.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
 from fastdraft.spec.proposer import DraftModelProposer
 from fastdraft.spec.speculator import EngineSpeculator
-from tests.spec.test_engine_spec import PROMPTS
+from tests.spec.test_engine_spec import PROMPTS, next_token_logits
 
 
 def _draft_runner(draft) -> ModelRunner:
@@ -108,10 +108,7 @@ def test_restricted_draft_proposes_kept_tokens_with_zero_mass_elsewhere(target, 
     draft = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     token_ids = torch.arange(0, target.config.vocab_size, 3)
     prompt_ids = target.tokenizer.encode(PROMPTS[0])
-    cache = KVCache.from_config(draft.config, 64, dtype=torch.float32)
-    with torch.inference_mode():
-        full_logits = draft.model.compute_logits(draft.model(torch.tensor([prompt_ids]), cache,
-                                                             cache.append(len(prompt_ids)))[0, -1])  # [vocab_size]
+    full_logits = next_token_logits(draft, prompt_ids)  # [vocab_size], before the head is restricted
     restrict_lm_head(draft.model, token_ids)
     proposer = DraftModelProposer(_draft_runner(draft), target.config.vocab_size, token_ids=token_ids)
     generator = torch.Generator().manual_seed(0)
@@ -135,10 +132,7 @@ def test_sampling_with_a_restricted_draft_follows_the_target_distribution(target
     prompt_ids = target.tokenizer.encode(PROMPTS[0])
 
     def next_probs(ids: list[int]) -> torch.Tensor:
-        cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
-        with torch.inference_mode():
-            hidden = target.model(torch.tensor([ids]), cache, cache.append(len(ids)))
-            return logits_to_probs(target.model.compute_logits(hidden[0, -1]), params)  # [vocab_size]
+        return logits_to_probs(next_token_logits(target, ids), params)  # [vocab_size]
 
     first = next_probs(prompt_ids)
     exact = {(a, b): float(first[a] * p_b) for a in first.nonzero().flatten().tolist()

@@ -14,7 +14,7 @@ from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completi
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.speculation import DraftBatch
-from fastdraft.layers.kv_cache import KVCache
+from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
@@ -28,6 +28,16 @@ PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    
 @pytest.fixture(scope="module")
 def target(tiny_models):
     return load_model(tiny_models.dir("qwen2"), dtype="fp32")
+
+
+def next_token_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits [vocab_size] after ``token_ids``: the module path over a cache of their own,
+    a reference independent of the engine under test."""
+    model = loaded.model
+    cache = SequenceCache.from_config(loaded.config, len(token_ids), dtype=model.dtype, device=model.device)
+    with torch.inference_mode():
+        input_ids, meta = cache.append(token_ids)
+        return model.logits(input_ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1])[0]
 
 
 def _engine(target, speculation=None, draft=None, **config):
@@ -184,10 +194,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target):
     def next_probs(ids: list[int]) -> torch.Tensor:
         key = tuple(ids)
         if key not in memo:
-            cache = KVCache.from_config(target.config, 64, dtype=torch.float32)
-            with torch.inference_mode():
-                hidden = target.model(torch.tensor([ids]), cache, cache.append(len(ids)))
-                memo[key] = logits_to_probs(target.model.compute_logits(hidden[0, -1]), params)  # [vocab_size]
+            memo[key] = logits_to_probs(next_token_logits(target, ids), params)  # [vocab_size]
         return memo[key]
 
     exact = {}
