@@ -155,8 +155,15 @@ class SequenceCache:
         return cls(PagedKVCache.from_config(config, num_blocks, block_size, dtype, device), max_seq_len)
 
     def append(self, token_ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, PagedAttentionMetadata]:
-        """Input ids [num_tokens] and metadata of ``token_ids`` appended after the cached ones."""
-        token_ids = token_ids.view(-1).tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        """Input ids [num_tokens] and metadata of ``token_ids`` ([num_tokens], or [1, num_tokens])
+        appended after the cached ones. The sequence counts them from here on: a pass that then
+        fails leaves them counted, for the caller to ``truncate``."""
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dim() > 2 or (token_ids.dim() == 2 and token_ids.shape[0] != 1):
+                raise ValueError(f"a SequenceCache holds one sequence: ids must be [num_tokens] or [1, num_tokens], "
+                                 f"got {list(token_ids.shape)}")
+            token_ids = token_ids.reshape(-1).tolist()
+        token_ids = list(token_ids)
         start, end = self.num_tokens, self.num_tokens + len(token_ids)
         if not token_ids or end > self.max_seq_len:
             raise ValueError(f"cannot append {len(token_ids)} tokens after {start}: the cache holds "

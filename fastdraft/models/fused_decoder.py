@@ -5,8 +5,11 @@ those small ops cost about as much as the elementwise work itself. :class:`Fused
 a flat batch of sequences over the paged cache, the serving engine's step, in
 ``csrc/decoder_x86.cpp``: the embedding rows, the rotary rows, every decoder layer, the final
 norm and a weight-only LM head, chaining the very kernels the module path calls, in the same
-order and dtypes. The two give bit-identical results (tested); the module path in ``llama.py``
-is the reference twin and serves hooks and CUDA.
+order and dtypes. The two give bit-identical results (tested), with one exception: on CPUs
+with AMX, outside batch-invariant mode, the module path's weight-only matmuls over
+``AMX_LARGE_M`` rows or more switch to a dequantized GEMM while the C++ step keeps its int8
+tiles (long prefills differ in rounding there). The module path in ``llama.py`` is the
+reference twin and serves hooks and CUDA.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks, is_dense_linear
 from fastdraft.layers.quant_linear import QuantLinear
 
-# Rows up to which a weight-only matmul of the module path runs the same kernel as the C++
-# step's tiles (a kernel whose large-M path starts at or below it cannot run there).
+# The most tokens of one sequence that a decode or verification pass holds. A weight-only
+# kernel that switched to its large-M GEMM at or below it would make the module path and the
+# C++ step (always its int8 tiles) differ in the very passes that speculation compares, so such
+# a kernel keeps its layer on the module path.
 MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
 
 def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
@@ -90,7 +95,8 @@ class FusedDecoder:
     one activation dtype and ``min_rows``.
 
     Built from the modules as they are at that moment (``LlamaForCausalLM.fused_decoder``) and
-    owned by whoever built it: the engine's runner, a speculative proposer. A module replaced
+    owned by whoever built it: the engine's runner, a speculative proposer, and run by one thread
+    at a time. A module replaced
     afterwards (quantized in place, say) is not seen; build a new decoder then. The pieces the
     C++ side cannot take run in Python around it: an embedding of another format (INT8, say),
     a final norm of another dtype; the head runs inside only when it is weight-only."""
@@ -99,7 +105,7 @@ class FusedDecoder:
                  dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
         self.ext = ext
         self.layer_ops = layer_ops
-        self.dtype, self.device, self.min_rows = dtype, device, min_rows
+        self.dtype, self.device = dtype, device
         self.is_weight_only = ext.decoder_is_weight_only(layer_ops)
         self.embed, self.rotary, self.norm, self._head = embed, rotary, norm, head
         self._step = None

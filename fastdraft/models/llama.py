@@ -138,8 +138,10 @@ class LlamaForCausalLM(nn.Module):
         """One forward pass over a flat batch: input_ids, positions [num_tokens] -> final hidden
         states [num_tokens, hidden_size], every token's key and value written to ``kv_cache``.
 
-        ``decoder``: a C++ step its caller built for this model (:meth:`fused_decoder`), the CPU
-        backend of the same call, bit-identical to the module path; without it, the module path."""
+        ``positions`` are ``meta.positions``, as vLLM's models take them. ``decoder``: a C++ step
+        its caller built for this model (:meth:`fused_decoder`), the CPU backend of the same call,
+        bit-identical to the module path (for the one exception see
+        :mod:`~fastdraft.models.fused_decoder`); without it, the module path."""
         if decoder is not None:
             return decoder.forward_paged(input_ids, positions, kv_cache, meta)
         return self.model(input_ids, positions, kv_cache, meta, self.min_rows)

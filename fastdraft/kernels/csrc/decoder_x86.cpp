@@ -25,6 +25,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -34,7 +35,6 @@
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
                          int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const);
 
@@ -562,6 +562,7 @@ bool is_all_weight_only(const std::vector<std::shared_ptr<DecoderLayer>>& layers
 // Rows ids [T] of table [rows, width]: plain copies, as an embedding lookup is (index_select's
 // dispatch alone costs about 40 us a step). `what` names an id in the error for one out of range.
 torch::Tensor table_rows(const torch::Tensor& table, const torch::Tensor& ids, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "a table must be 2-D and contiguous");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, what, "s must be a 1-D int64 tensor");
   const auto ids_c = ids.contiguous();
   const int64_t num_ids = ids_c.size(0), num_rows = table.size(0);
@@ -597,8 +598,10 @@ torch::Tensor to_float(const torch::Tensor& x) {
 // weight-only head, to the fp32 logits of the rows asked for. The embedding rows, the rotary
 // rows and the logits' conversion to fp32 are taken here rather than by separate Python
 // calls: with the weights streaming through the caches each of those costs 40-110 us a step,
-// about 2% of a 1.5B INT4 step in all. Built once by its owner and run one step at a time: the
-// per-layer views of the pool and the attention plan's buffers are kept from step to step.
+// about 2% of a 1.5B INT4 step in all. Built once by its owner and run one step at a time (a
+// mutex makes concurrent calls wait): the per-layer views of the last pool it ran on and the
+// attention plan's buffers are kept from step to step, so they hold that pool until the next
+// call or the step's end (the owner, the engine's runner, owns that pool for as long anyway).
 class PagedDecoder {
  public:
   PagedDecoder(std::vector<std::shared_ptr<DecoderLayer>> layers, c10::optional<torch::Tensor> embed,
@@ -627,6 +630,7 @@ class PagedDecoder {
                         const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                         const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& logit_rows,
                         bool is_batch_invariant) {
+    const std::lock_guard<std::mutex> lock(mutex_);
     torch::NoGradGuard no_grad;
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) >= 1, "positions must be [num_tokens]");
     const int64_t num_tokens = positions.size(0);
@@ -673,7 +677,7 @@ class PagedDecoder {
                 "k/v blocks must be [>= num_layers, num_blocks, kv_heads, block_size, head_dim]");
     if (k_blocks.unsafeGetTensorImpl() == pool_k_.unsafeGetTensorImpl() &&
         v_blocks.unsafeGetTensorImpl() == pool_v_.unsafeGetTensorImpl() && k_blocks.data_ptr() == pool_k_ptr_ &&
-        v_blocks.data_ptr() == pool_v_ptr_)
+        v_blocks.data_ptr() == pool_v_ptr_ && k_blocks.sizes() == pool_sizes_)
       return;
     attention_.k_blocks.clear();
     attention_.v_blocks.clear();
@@ -683,6 +687,7 @@ class PagedDecoder {
     }
     pool_k_ = k_blocks, pool_v_ = v_blocks;
     pool_k_ptr_ = k_blocks.data_ptr(), pool_v_ptr_ = v_blocks.data_ptr();
+    pool_sizes_ = k_blocks.sizes().vec();
   }
 
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
@@ -693,7 +698,9 @@ class PagedDecoder {
   torch::Tensor pool_k_, pool_v_;
   const void* pool_k_ptr_ = nullptr;
   const void* pool_v_ptr_ = nullptr;
+  std::vector<int64_t> pool_sizes_;
   PagedAttention attention_;
+  std::mutex mutex_;
 };
 
 }  // namespace
