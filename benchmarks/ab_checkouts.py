@@ -32,7 +32,7 @@ from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 
 model, quant, prompt_tokens, new_tokens, threads = sys.argv[1:6]
-# Checkouts from before fastdraft.configure_process tuned malloc in the engine's constructor.
+# Older checkouts lack configure_process (their engine's constructor tuned malloc).
 configure_process = getattr(fastdraft, "configure_process", None)
 if configure_process is not None:
     configure_process(num_threads=int(threads))

@@ -20,6 +20,7 @@ import torch
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
+from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
@@ -29,13 +30,16 @@ from fastdraft.spec.config import SpeculativeConfig, prepare_draft
 
 
 @torch.inference_mode()
-def next_token_logits(model: LlamaForCausalLM, prompt: list[int], new_ids: list[int]) -> torch.Tensor:
-    """Logits [len(new_ids), vocab] that predict each of ``new_ids`` after ``prompt``."""
+def next_token_logits(model: LlamaForCausalLM, prompt: list[int], new_ids: list[int],
+                      decoder: FusedDecoder | None) -> torch.Tensor:
+    """Logits [len(new_ids), vocab] that predict each of ``new_ids`` after ``prompt``, through
+    ``decoder`` (the model's C++ step, built once per model: building packs its weights) or,
+    when None, the module path."""
     seq = prompt + new_ids
     cache = SequenceCache.from_config(model.config, len(seq), dtype=model.dtype)
     input_ids, meta = cache.append(seq)
     rows = list(range(len(prompt) - 1, len(seq) - 1))
-    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows, model.fused_decoder())
+    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows, decoder)
 
 
 def make_draft(name: str, kind: str):
@@ -75,18 +79,20 @@ def main() -> None:
     trajectories = [generator.generate(p, SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
                                                          seed=i, ignore_eos=True)).token_ids
                     for i, p in enumerate(prompts)]
-    target_rows = [next_token_logits(target.model, p, t) for p, t in zip(prompts, trajectories)]
+    target_decoder = target.model.fused_decoder()
+    target_rows = [next_token_logits(target.model, p, t, target_decoder) for p, t in zip(prompts, trajectories)]
     vocab_size = target.config.vocab_size
-    del generator, target
+    del generator, target, target_decoder
     print(f"{len(trajectories)} trajectories x {args.new_tokens} tokens, T={args.temperature}, "
           f"confident = top probability >= {args.min_confidence}")
     print("| draft | acceptance | confident share | acceptance when confident | otherwise |")
     print("|---|---:|---:|---:|---:|")
     for kind in args.drafts.split(","):
         draft, token_ids = make_draft(args.draft, kind)
+        decoder = draft.model.fused_decoder()
         accepted, confidence = [], []
         for prompt, new_ids, target_logits in zip(prompts, trajectories, target_rows):
-            logits = next_token_logits(draft.model, prompt, new_ids)  # [new, draft_vocab]
+            logits = next_token_logits(draft.model, prompt, new_ids, decoder)  # [new, draft_vocab]
             draft_probs = torch.softmax(logits if is_greedy else logits / args.temperature, dim=-1)
             confidence.append(draft_probs.max(dim=-1).values)
             ids = token_ids if token_ids is not None else torch.arange(draft_probs.shape[-1])

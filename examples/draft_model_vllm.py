@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastdraft import LLM, SamplingParams
+from fastdraft import LLM, SamplingParams, configure_process
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
+    configure_process()  # process-wide malloc settings: the library leaves them to its entry points
 
     llm = LLM(model=args.model, load_in_low_bit=args.low_bit, speculative_model=args.draft,
               num_speculative_tokens=args.num_speculative_tokens)

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="def quicksort(items):\n")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
+    fastdraft.configure_process()  # process-wide malloc settings: the library leaves them to its entry points
 
     plain = fastdraft.AutoModelForCausalLM.from_pretrained(args.model, load_in_low_bit="bf16")
     speculative = fastdraft.AutoModelForCausalLM.from_pretrained(args.model, load_in_low_bit="bf16", speculative=True)

@@ -1,6 +1,9 @@
 """Builders shared by the tests: a tiny byte-level BPE tokenizer, tiny random HF models
-saved as HF folders, tiny GGUF files written the way llama.cpp's converter writes them, and a
-live ``fastdraft serve`` app on a loopback port."""
+saved as HF folders, tiny GGUF files written the way llama.cpp's converter writes them, a
+model's pass over a SequenceCache, and a live ``fastdraft serve`` app on a loopback port.
+
+The server's packages (and httpx) are imported inside the functions that use them: the model
+tests import this module on machines that have none of them."""
 
 from __future__ import annotations
 
@@ -11,12 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
-from fastdraft.layers.kv_cache import PagedAttentionMetadata, Span, flat_batch
+from fastdraft.layers.kv_cache import PagedAttentionMetadata, SequenceCache, Span, flat_batch
 
 # The same split regex as Qwen2's tokenizer.json (and fastdraft's GGUF "qwen2" pre-tokenizer).
 QWEN2_PATTERN = (
@@ -241,8 +243,22 @@ def paged_batch(requests: list[tuple[list[int], int, int, list[int]]],
     return ids, meta, meta.query_start_loc
 
 
+def append_pass(model, cache: SequenceCache, ids: list[int] | torch.Tensor, decoder=None,
+                logit_rows: list[int] | None = None) -> torch.Tensor:
+    """Append ``ids`` to ``cache`` and run them through ``model`` (the module path, or
+    ``decoder``'s C++ step): hidden states [num_tokens, hidden_size], or with ``logit_rows``
+    (indices into the appended tokens) their fp32 logits [len(logit_rows), vocab_size] from
+    ``model.logits``."""
+    input_ids, meta = cache.append(ids)
+    if logit_rows is None:
+        return model(input_ids, meta.positions, cache.kv_cache, meta, decoder)
+    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, logit_rows, decoder)
+
+
 def wait_healthy(url: str, timeout_s: float) -> None:
     """Poll ``url``/health until it answers 200."""
+    import httpx  # a test dependency the model tests do without (see LiveServer)
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

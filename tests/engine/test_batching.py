@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, SequenceCache, Span, flat_batch
+from tests.helpers import append_pass
 
 ATOL = 1e-5
 BLOCK_SIZE = 4
@@ -38,11 +39,9 @@ def _step(model, cache: PagedKVCache, spans: list[Span]) -> torch.Tensor:
 def _alone(model, config, ids: list[int], prompt_len: int) -> torch.Tensor:
     """Logits of positions prompt_len-1 .. end for one sequence run alone (prefill + decode)."""
     cache = SequenceCache.from_config(config, 64, dtype=torch.float32, block_size=BLOCK_SIZE)
-    tokens, meta = cache.append(ids[:prompt_len])
-    out = [model.logits(tokens, meta.positions, cache.kv_cache, meta, [prompt_len - 1])]
+    out = [append_pass(model, cache, ids[:prompt_len], logit_rows=[prompt_len - 1])]
     for pos in range(prompt_len, len(ids)):
-        tokens, meta = cache.append(ids[pos:pos + 1])
-        out.append(model.logits(tokens, meta.positions, cache.kv_cache, meta, [0]))
+        out.append(append_pass(model, cache, ids[pos:pos + 1], logit_rows=[0]))
     return torch.cat(out)  # [steps, vocab]
 
 
@@ -87,8 +86,7 @@ def test_batched_multi_token_append_ignores_stale_cache_entries(model_and_config
 
     for row, (ids, start) in enumerate(((a, 10), (b, 3))):
         alone = SequenceCache.from_config(config, 64, dtype=torch.float32, block_size=BLOCK_SIZE)
-        tokens, meta = alone.append(ids[:start + n_new])
-        ref = model.compute_logits(model(tokens, meta.positions, alone.kv_cache, meta))  # [start + n_new, vocab]
+        ref = model.compute_logits(append_pass(model, alone, ids[:start + n_new]))  # [start + n_new, vocab]
         torch.testing.assert_close(logits[row * n_new:(row + 1) * n_new], ref[start:], atol=ATOL, rtol=0,
                                    msg=f"sequence {row}")
 
@@ -104,8 +102,7 @@ def test_batched_prefill_matches_single(model_and_config):
     rows = [slice(0, 8), slice(8, 13)]
     for ids, table, row in zip((a, b), tables, rows):
         alone = SequenceCache.from_config(config, 32, dtype=torch.float32, block_size=BLOCK_SIZE)
-        tokens, meta = alone.append(ids)
-        ref = model.compute_logits(model(tokens, meta.positions, alone.kv_cache, meta))
+        ref = model.compute_logits(append_pass(model, alone, ids))
         torch.testing.assert_close(logits[row], ref, atol=ATOL, rtol=0)
         # Each sequence's keys landed in its own blocks, in order: [layers, kv_heads, positions, dim].
         for got, want in ((cache.k, alone.kv_cache.k), (cache.v, alone.kv_cache.v)):
@@ -131,7 +128,9 @@ def test_flat_batch_lays_sequences_back_to_back():
 def test_paged_metadata_validation():
     positions, slots = torch.arange(3), torch.arange(3)
     tables = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="num_tokens"):  # a batch dim is gone
+    # [1, T] positions are refused: a flat batch is one row per token, its sequences delimited
+    # by query_start_loc, so a leading batch dim could only be a caller's mistake.
+    with pytest.raises(ValueError, match="num_tokens"):
         PagedAttentionMetadata(positions.view(1, 3), slots.view(1, 3), [0, 3], [3], tables)
     with pytest.raises(ValueError, match="num_tokens"):
         PagedAttentionMetadata(positions, slots[:2], [0, 3], [3], tables)

@@ -10,6 +10,7 @@ import torch
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.sampling_params import SamplingParams
+from tests.helpers import append_pass
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -31,8 +32,7 @@ def _greedy_module_path(loaded, prompt_ids: list[int], max_new_tokens: int) -> l
     cache = SequenceCache.from_config(loaded.config, len(prompt_ids) + max_new_tokens, dtype=model.dtype)
     new_ids, out = prompt_ids, []
     for _ in range(max_new_tokens):
-        input_ids, meta = cache.append(new_ids)
-        logits = model.logits(input_ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1])  # [1, vocab]
+        logits = append_pass(model, cache, new_ids, logit_rows=[len(new_ids) - 1])  # [1, vocab]
         out.append(int(logits.argmax(dim=-1)))
         new_ids = out[-1:]
     return out

@@ -1,5 +1,5 @@
-"""The paged KV cache outside the engine (SequenceCache): no reallocation, rollback by
-truncate, bounds, sizing, and the metadata each append describes."""
+"""The paged KV cache outside the engine (SequenceCache): what a pass writes into its pool,
+rollback by truncate, bounds, sizing, and the metadata each append describes."""
 
 from __future__ import annotations
 
@@ -8,22 +8,11 @@ import torch
 
 from fastdraft.config import ModelConfig
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
+from tests.helpers import append_pass
 
 
 def _ids(vocab: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))  # [n]
-
-
-def _last_logits(model, cache: SequenceCache, token_ids: torch.Tensor, decoder=None) -> torch.Tensor:
-    """Append ``token_ids`` and return the logits of the last one: [1, vocab_size]."""
-    ids, meta = cache.append(token_ids)
-    return model.logits(ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1], decoder)
-
-
-def _all_logits(model, cache: SequenceCache, token_ids: torch.Tensor) -> torch.Tensor:
-    """Append ``token_ids`` through the module path and return every row's logits: [num_tokens, vocab_size]."""
-    ids, meta = cache.append(token_ids)
-    return model.compute_logits(model(ids, meta.positions, cache.kv_cache, meta))
 
 
 def _by_position(pool: torch.Tensor) -> torch.Tensor:
@@ -35,22 +24,21 @@ def _by_position(pool: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", ["module", "fused"])
 @torch.inference_mode()
-def test_buffers_are_never_reallocated(tiny_loaded, path):
+def test_passes_write_every_appended_position_and_nothing_past_the_sequence(tiny_loaded, path):
+    # The C++ step writes the pool itself, the module path through PagedKVCache.update: either
+    # way every layer's keys and values of positions 0..99 land in the pool, and the 28 slots
+    # past the sequence stay zero.
     model, config = tiny_loaded.model, tiny_loaded.config
-    # The C++ step writes the pool itself: both backends must write in place.
     decoder = model.fused_decoder() if path == "fused" else None
     if path == "fused" and decoder is None:
         pytest.skip("no C++ step without fastdraft's CPU kernels")
     cache = SequenceCache.from_config(config, 128, dtype=torch.float32)
     pool = cache.kv_cache
-    k_ptr, v_ptr, shape = pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape
     ids = _ids(config.vocab_size, 100, 0)
-    _last_logits(model, cache, ids[:10], decoder)
+    append_pass(model, cache, ids[:10], decoder)
     for pos in range(10, 100):
-        _last_logits(model, cache, ids[pos:pos + 1], decoder)
-        assert cache.kv_cache is pool and pool.k.data_ptr() == k_ptr and pool.v.data_ptr() == v_ptr
-    assert pool.k.shape == shape and cache.num_tokens == 100
-    # Something was actually written: the live prefix is non-zero, the tail still zero.
+        append_pass(model, cache, ids[pos:pos + 1], decoder)
+    assert cache.num_tokens == 100
     for buffer in (pool.k, pool.v):
         keys = _by_position(buffer)
         assert keys[:, :, :100].abs().sum(dim=-1).min() > 0
@@ -62,33 +50,37 @@ def test_truncate_then_refeed_same_tokens_reproduces_logits(tiny_loaded):
     model, config = tiny_loaded.model, tiny_loaded.config
     cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
     ids = _ids(config.vocab_size, 20, 1)
-    _last_logits(model, cache, ids[:10])
-    original = [_last_logits(model, cache, ids[p:p + 1]) for p in range(10, 20)]
+    append_pass(model, cache, ids[:10])
+    original = [append_pass(model, cache, ids[p:p + 1], logit_rows=[0]) for p in range(10, 20)]
     cache.truncate(14)
     assert cache.num_tokens == 14
     for p in range(14, 20):
         # The same token over the same keys in the same shape: the same bits.
-        assert torch.equal(_last_logits(model, cache, ids[p:p + 1]), original[p - 10])
+        assert torch.equal(append_pass(model, cache, ids[p:p + 1], logit_rows=[0]), original[p - 10])
 
 
 @torch.inference_mode()
 def test_truncate_then_feed_different_tokens_equals_fresh_run(tiny_loaded):
     model, config = tiny_loaded.model, tiny_loaded.config
-    cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
+
+    def fresh() -> SequenceCache:
+        return SequenceCache.from_config(config, 64, dtype=torch.float32)
+
+    cache = fresh()
     ids = _ids(config.vocab_size, 20, 2)
-    _last_logits(model, cache, ids[:12])
+    append_pass(model, cache, ids[:12])
     for p in range(12, 20):
-        _last_logits(model, cache, ids[p:p + 1])
+        append_pass(model, cache, ids[p:p + 1])
     cache.truncate(15)
     other = _ids(config.vocab_size, 5, 3)
     assert not torch.equal(other, ids[15:20])
     new_seq = torch.cat([ids[:15], other])
     # Verification shape after rollback: all five new tokens in one pass, over stale keys at 15..19.
-    got = _all_logits(model, cache, other)  # [5, vocab]
-    ref = _all_logits(model, SequenceCache.from_config(config, 64, dtype=torch.float32), new_seq)  # [20, vocab]
+    got = model.compute_logits(append_pass(model, cache, other))  # [5, vocab]
+    ref = model.compute_logits(append_pass(model, fresh(), new_seq))  # [20, vocab]
     torch.testing.assert_close(got, ref[15:], atol=1e-5, rtol=0)
     # And the stale tokens really influenced the old logits (the check above is not vacuous).
-    old = _all_logits(model, SequenceCache.from_config(config, 64, dtype=torch.float32), ids)
+    old = model.compute_logits(append_pass(model, fresh(), ids))
     assert (old[15:] - ref[15:]).abs().max() > 1e-3
 
 

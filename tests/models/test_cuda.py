@@ -12,7 +12,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.kernels.fused import per_token_attention
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache, Span, flat_batch
 from fastdraft.sampling_params import SamplingParams
-from tests.helpers import assert_tokens_equal_one_token_calls
+from tests.helpers import append_pass, assert_tokens_equal_one_token_calls
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,15 +31,6 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _append_logits(model, cache: SequenceCache, token_ids: list[int] | torch.Tensor,
-                   rows: list[int] | None = None) -> torch.Tensor:
-    """fp32 logits [len(rows), vocab_size] (default: every row) of ``token_ids`` appended to
-    ``cache``, through the module path (all that runs on CUDA), on the CPU."""
-    input_ids, meta = cache.append(token_ids)  # on the cache's device
-    rows = list(range(meta.num_tokens)) if rows is None else rows
-    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, rows).cpu()
-
-
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_cuda_logits_match_cpu(tiny_models, variant):
@@ -54,8 +45,8 @@ def test_cuda_logits_match_cpu(tiny_models, variant):
     # A prompt, one-token steps, a verification's shape (several tokens on a non-empty cache),
     # then a chunk longer than the per-token attention takes (the masked SDPA path).
     for start, end in ((0, 12), (12, 13), (13, 14), (14, 15), (15, 16), (16, 20), (20, 31), (31, 32)):
-        want = _append_logits(cpu.model, kv_cpu, ids[start:end])  # [end - start, vocab_size]
-        got = _append_logits(gpu.model, kv_gpu, ids[start:end])
+        want = cpu.model.compute_logits(append_pass(cpu.model, kv_cpu, ids[start:end]))  # [end - start, vocab_size]
+        got = gpu.model.compute_logits(append_pass(gpu.model, kv_gpu, ids[start:end])).cpu()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"tokens {start}:{end}")
     assert kv_gpu.num_tokens == 32
 
@@ -97,9 +88,9 @@ def test_cuda_verification_rows_equal_one_token_steps(tiny_models, dtype):
     prompt, drafts = ids[:9], ids[9:]
     caches = [SequenceCache.from_config(gpu.config, 64, dtype=model.dtype, device=DEVICE) for _ in range(2)]
     for cache in caches:
-        _append_logits(model, cache, prompt, rows=[len(prompt) - 1])
-    verified = _append_logits(model, caches[0], drafts)  # [4, vocab_size]
-    steps = torch.cat([_append_logits(model, caches[1], [token]) for token in drafts])  # [4, vocab_size]
+        append_pass(model, cache, prompt)
+    verified = model.compute_logits(append_pass(model, caches[0], drafts))  # [4, vocab_size]
+    steps = torch.cat([model.compute_logits(append_pass(model, caches[1], [token])) for token in drafts])
     assert torch.equal(verified, steps)
 
 
@@ -129,7 +120,7 @@ def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
 
     def greedy(token_ids) -> torch.Tensor:
         """Append ``token_ids``; the argmax [1] of the last row's logits."""
-        return _append_logits(gpu.model, cache, token_ids, rows=[len(token_ids) - 1]).argmax(-1)
+        return append_pass(gpu.model, cache, token_ids, logit_rows=[len(token_ids) - 1]).argmax(-1)
 
     token = greedy(ids)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

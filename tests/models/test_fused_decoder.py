@@ -14,7 +14,7 @@ from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _line
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from tests.helpers import paged_batch
+from tests.helpers import append_pass, paged_batch
 
 pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
 
@@ -42,24 +42,23 @@ def _model(tiny_models, variant: str, dtype: str, quant: str):
     return model
 
 
-def _pass(model, cache: SequenceCache, ids: torch.Tensor, decoder) -> torch.Tensor:
-    input_ids, meta = cache.append(ids)
-    return model(input_ids, meta.positions, cache.kv_cache, meta, decoder)  # [num_tokens, hidden_size]
-
-
-def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int]) -> list[torch.Tensor]:
+def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int], decoder=None) -> list[torch.Tensor]:
     """Prefill a prompt, then append ``chunks`` of tokens; hidden states of the prompt and of
-    every chunk (through a C++ step built for the model as it is now, or the module path)."""
-    decoder = model.fused_decoder() if is_fused else None
-    assert decoder is not None or not is_fused, "the fused decoder could not be built"
+    every chunk, through the module path or a C++ step: ``decoder``, by default one built from
+    the model's modules at the call."""
+    if is_fused:
+        decoder = decoder or model.fused_decoder()
+        assert decoder is not None, "the fused decoder could not be built"
+    else:
+        decoder = None
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     out = []
     with torch.inference_mode():
-        out.append(_pass(model, cache, torch.randint(0, vocab, (prompt_len,), generator=gen), decoder))
+        out.append(append_pass(model, cache, torch.randint(0, vocab, (prompt_len,), generator=gen), decoder))
         for n in chunks:
-            out.append(_pass(model, cache, torch.randint(0, vocab, (n,), generator=gen), decoder))
+            out.append(append_pass(model, cache, torch.randint(0, vocab, (n,), generator=gen), decoder))
             if n > 1:  # a verification that rejected its last token
                 cache.truncate(cache.num_tokens - 1)
     return out
@@ -88,13 +87,12 @@ def _logits_both_paths(model, steps: list[tuple[int, list[int]]], seed: int = 0,
     prompt = torch.randint(0, vocab, (7,), generator=gen)
     pairs = []
     with torch.inference_mode():
-        _pass(model, caches[0], prompt, decoder)
-        _pass(model, caches[1], prompt, None)
+        append_pass(model, caches[0], prompt, decoder)
+        append_pass(model, caches[1], prompt)
         for num_tokens, rows in steps:
             ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
-            input_ids, meta = caches[0].append(ids)
-            got = model.logits(input_ids, meta.positions, caches[0].kv_cache, meta, rows, decoder)
-            want = model.compute_logits(_pass(model, caches[1], ids, None)[rows])
+            got = append_pass(model, caches[0], ids, decoder, rows)
+            want = model.compute_logits(append_pass(model, caches[1], ids)[rows])
             pairs.append((got, want))
     return pairs
 
@@ -149,13 +147,18 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
 
 
 def test_a_decoder_is_a_snapshot_of_the_modules_it_was_built_from(tiny_models):
-    # The decoder's owner builds a new one after replacing modules (quantizing in place).
+    # A decoder holds the weights of the modules it was built from: after modules are replaced
+    # (quantizing in place) it keeps computing with the old ones, and the decoder's owner builds
+    # a new one to follow the model.
     model = _model(tiny_models, "llama", "fp32", "dense")
-    before = _steps(model, True, 5, [1])
+    dense_decoder = model.fused_decoder()
+    before = _steps(model, True, 5, [1], dense_decoder)
     quantize_model(model, QUANTS["int4-g32-sym"], show_progress=False)
     after = _steps(model, True, 5, [1])
     assert not torch.equal(before[-1], after[-1])
     assert torch.equal(after[-1], _steps(model, False, 5, [1])[-1])
+    for got, want in zip(_steps(model, True, 5, [1], dense_decoder), before):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-head6",
@@ -176,12 +179,26 @@ def test_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, 
 
 def test_the_step_follows_the_cache_it_is_given(tiny_models):
     # The C++ step keeps each layer's view of the pool from step to step, and makes them again
-    # for another pool: steps that alternate between two caches give the module path's logits.
+    # for another pool: one decoder stepping two live caches in turn (A, B, A, B), each holding
+    # a sequence of its own, must attend over the cache of each step, as the module path does
+    # on twin caches.
     model = _model(tiny_models, "qwen2", "bf16", "int4-g32-sym")
     decoder = model.fused_decoder()
-    for seed in (0, 3, 0):
-        for got, want in _logits_both_paths(model, [(1, [0])] * 3 + [(4, [0, 3])], seed=seed, decoder=decoder):
-            assert torch.equal(got, want)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    fused = [SequenceCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]  # A, B
+    module = [SequenceCache.from_config(model.config, 64, dtype=model.dtype) for _ in range(2)]  # their twins
+    # (cache, number of tokens, logit rows): prompts of different lengths, one-token steps,
+    # then a verification's shape on each.
+    steps = [(0, 7, [6]), (1, 4, [3]), (0, 1, [0]), (1, 1, [0]), (0, 1, [0]), (1, 1, [0]), (0, 4, [0, 3]),
+             (1, 4, [0, 3]), (0, 1, [0]), (1, 1, [0])]
+    with torch.inference_mode():
+        for seq, num_tokens, rows in steps:
+            ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
+            got = append_pass(model, fused[seq], ids, decoder, rows)
+            want = model.compute_logits(append_pass(model, module[seq], ids)[rows])
+            assert torch.equal(got, want), f"cache {'AB'[seq]} at {fused[seq].num_tokens} tokens"
+    assert [c.num_tokens for c in fused] == [c.num_tokens for c in module] == [14, 11]
 
 
 def test_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_models):
@@ -196,15 +213,14 @@ def test_step_rebuilt_after_in_place_norm_and_embedding_changes(tiny_models):
 
     def step_both_paths() -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(0, vocab, (1,), generator=gen)
-        input_ids, meta = caches[0].append(ids)
-        got = model.logits(input_ids, meta.positions, caches[0].kv_cache, meta, [0], decoder)
-        want = model.compute_logits(_pass(model, caches[1], ids, None))
+        got = append_pass(model, caches[0], ids, decoder, [0])
+        want = model.compute_logits(append_pass(model, caches[1], ids))
         return got, want
 
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (5,), generator=gen)
-        _pass(model, caches[0], prompt, decoder)
-        _pass(model, caches[1], prompt, None)
+        append_pass(model, caches[0], prompt, decoder)
+        append_pass(model, caches[1], prompt)
         got, want = step_both_paths()
         assert torch.equal(got, want)
         norm.weight.data = torch.rand(norm.weight.shape, generator=gen).to(model.dtype) + 0.5
@@ -224,13 +240,11 @@ def test_step_rejects_token_ids_outside_the_vocabulary_and_bad_rows(tiny_models)
     cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     decoder = model.fused_decoder()
     with torch.inference_mode():
-        _pass(model, cache, torch.zeros(3, dtype=torch.long), decoder)
-        input_ids, meta = cache.append([model.config.vocab_size])
+        append_pass(model, cache, torch.zeros(3, dtype=torch.long), decoder)
         with pytest.raises(RuntimeError, match="token id .* is outside"):
-            model.logits(input_ids, meta.positions, cache.kv_cache, meta, [0], decoder)
-        input_ids, meta = cache.append([1, 2])
+            append_pass(model, cache, [model.config.vocab_size], decoder, [0])
         with pytest.raises(RuntimeError, match="logit row out of range"):
-            model.logits(input_ids, meta.positions, cache.kv_cache, meta, [2], decoder)
+            append_pass(model, cache, [1, 2], decoder, [2])
 
 
 def test_hooks_leave_the_model_to_the_module_path(tiny_models):
@@ -241,8 +255,8 @@ def test_hooks_leave_the_model_to_the_module_path(tiny_models):
     model.model.layers[0].mlp.register_forward_hook(lambda *args: calls.append(1))
     assert model.fused_decoder() is None
     with torch.inference_mode():
-        _pass(model, cache, torch.zeros(4, dtype=torch.long), model.fused_decoder())
-        _pass(model, cache, torch.zeros(1, dtype=torch.long), model.fused_decoder())
+        append_pass(model, cache, torch.zeros(4, dtype=torch.long), model.fused_decoder())
+        append_pass(model, cache, torch.zeros(1, dtype=torch.long), model.fused_decoder())
     assert len(calls) == 2
 
 

@@ -8,6 +8,7 @@ import torch
 from fastdraft.config import ModelConfig
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.loader import build_model, load_state_dict
+from tests.helpers import append_pass
 
 ATOL = 1e-4
 PROMPT_LEN = 12
@@ -55,12 +56,6 @@ def test_tied_embeddings_share_storage(tiny_models):
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
-def _append(model, cache: SequenceCache, token_ids: torch.Tensor, decoder=None) -> torch.Tensor:
-    """Logits [num_tokens, vocab_size] of ``token_ids`` appended to ``cache``, every row."""
-    input_ids, meta = cache.append(token_ids)
-    return model.logits(input_ids, meta.positions, cache.kv_cache, meta, list(range(meta.num_tokens)), decoder)
-
-
 def _decoder(model, path: str):
     """None for the module path; the model's C++ step for "fused" (skipped without the kernels)."""
     if path == "module":
@@ -89,10 +84,10 @@ def test_incremental_decode_matches_full_sequence(pair, path):
     ours, config, ref, ids = pair
     decoder = _decoder(ours, path)
     cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
-    last = _append(ours, cache, ids[0, :PROMPT_LEN], decoder)[-1]  # [vocab_size]
-    torch.testing.assert_close(last, ref[0, PROMPT_LEN - 1], atol=ATOL, rtol=0)
+    last = append_pass(ours, cache, ids[0, :PROMPT_LEN], decoder, [PROMPT_LEN - 1])  # [1, vocab_size]
+    torch.testing.assert_close(last, ref[0, PROMPT_LEN - 1:PROMPT_LEN], atol=ATOL, rtol=0)
     for pos in range(PROMPT_LEN, ids.shape[1]):
-        logits = _append(ours, cache, ids[0, pos:pos + 1], decoder)  # [1, vocab_size]
+        logits = append_pass(ours, cache, ids[0, pos:pos + 1], decoder, [0])  # [1, vocab_size]
         torch.testing.assert_close(logits, ref[0, pos:pos + 1], atol=ATOL, rtol=0, msg=f"position {pos}")
     assert cache.num_tokens == ids.shape[1]
 
@@ -104,7 +99,7 @@ def test_multi_token_append_on_nonempty_cache(pair, path):
     ours, config, ref, ids = pair
     decoder = _decoder(ours, path)
     cache = SequenceCache.from_config(config, 64, dtype=torch.float32)
-    _append(ours, cache, ids[0, :8], decoder)
+    append_pass(ours, cache, ids[0, :8], decoder)
     for start, n in ((8, 5), (13, 1), (14, 4), (18, 6)):
         input_ids, meta = cache.append(ids[0, start:start + n])
         assert meta.positions.tolist() == list(range(start, start + n)) and meta.context_lens == [start + n]
@@ -124,7 +119,7 @@ def test_bf16_close_to_fp32(tiny_models):
     with torch.no_grad():
         ref = tiny_models.hf("qwen2")(ids[None]).logits[0]  # [10, vocab_size]
     cache = SequenceCache.from_config(config, 32, dtype=torch.bfloat16)
-    logits = _append(ours, cache, ids)
+    logits = ours.compute_logits(append_pass(ours, cache, ids))  # [10, vocab_size]
     assert logits.dtype == torch.float32
     scale = ref.abs().max()
     assert (logits - ref).abs().max() < 0.1 * scale

@@ -20,6 +20,7 @@ from fastdraft.sampling_params import SamplingParams
 from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
 from fastdraft.spec.draft_length import FREE, DraftLengthPolicy, PassCost
 from fastdraft.spec.proposer import NgramIndex, NgramProposer, _match_vocab
+from tests.helpers import append_pass
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2,
            "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2"]
@@ -36,8 +37,7 @@ def next_token_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     model = loaded.model
     cache = SequenceCache.from_config(loaded.config, len(token_ids), dtype=model.dtype, device=model.device)
     with torch.inference_mode():
-        input_ids, meta = cache.append(token_ids)
-        return model.logits(input_ids, meta.positions, cache.kv_cache, meta, [meta.num_tokens - 1])[0]
+        return append_pass(model, cache, token_ids, logit_rows=[len(token_ids) - 1])[0]
 
 
 def _engine(target, speculation=None, draft=None, **config):
