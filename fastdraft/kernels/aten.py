@@ -69,7 +69,10 @@ class AtenInt8Kernel(WeightOnlyKernel):
         return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
-        self.qweight = qw.qweight.to(device)  # [N, K] int8
+        qweight = qw.qweight.to(device)  # [N, K] int8
+        # PyTorch's CPU kernel reads the weight with aligned vector loads and crashes on a
+        # pointer that is not 16-byte aligned, which a tensor mapped from a safetensors file can be.
+        self.qweight = qweight.clone() if qweight.data_ptr() % 64 else qweight
         self.scales = qw.scales[:, 0].to(device=device, dtype=dtype).contiguous()  # [N]
         self.out_features = qw.out_features
 

@@ -53,6 +53,20 @@ def test_int8_kernels_match_reference(kernel_name, shape):
     _check(kernel_name, qw, 4, torch.bfloat16)
 
 
+def test_aten_int8_takes_a_weight_at_any_address():
+    # A weight mapped from a safetensors file need not be aligned; PyTorch's int8 kernel crashes
+    # on one that is not 16-byte aligned unless the kernel copies it first.
+    qw = quantize(torch.randn(320, 64), 8, PER_CHANNEL, sym=True)
+    buffer = torch.empty(qw.qweight.numel() + 8, dtype=torch.int8)
+    misaligned = buffer[8:].view(qw.qweight.shape)
+    misaligned.copy_(qw.qweight)
+    assert misaligned.data_ptr() % 16
+    shifted = type(qw)(misaligned, qw.scales, qw.zeros, qw.bits, qw.group_size, qw.in_features)
+    x = torch.randn(63, 64, dtype=torch.bfloat16)
+    got = select_kernel(shifted, torch.bfloat16, "cpu", name="aten-int8")(x)
+    assert torch.equal(got, select_kernel(qw, torch.bfloat16, "cpu", name="aten-int8")(x))
+
+
 def test_selection_prefers_fast_kernels_and_falls_back():
     qw4 = quantize(torch.randn(64, 512), 4, 128, sym=False)
     assert select_kernel(qw4, torch.float32, "cpu").name != "reference"
