@@ -1,4 +1,4 @@
-"""Command-line interface: ``fastdraft pull``, ``models``, ``generate``, ``serve``, ``quantize`` and ``eval``."""
+"""Command-line interface: ``fastdraft pull``, ``models``, ``generate``, ``serve``, ``quantize``, ``eval`` and ``info``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
 
     sub.add_parser("models", help="list the known model names")
+    sub.add_parser("info", help="what to paste into a bug report: CPU, kernels, threads, versions")
 
     gen = sub.add_parser("generate", help="stream a completion and print latency figures")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="known name, HF folder or .gguf path")
@@ -369,6 +370,39 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         write_json(args.json, [r.to_dict() for r in results])
 
 
+# The instruction-set extensions that decide which kernels a CPU runs, in the order printed.
+_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+              "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def _info() -> str:
+    """CPU, kernels, threads and versions, one fact a line."""
+    import os
+    import platform
+
+    import torch
+
+    from fastdraft import __version__
+    from fastdraft.fileio import fastdraft_home
+    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_flags, cpu_model, is_built, unavailable_reason
+
+    flags = cpu_flags()
+    reason = unavailable_reason()
+    if reason is not None:
+        kernels = f"PyTorch fallback ({reason})"
+    else:
+        kernels = f"{KERNEL_VARIANT}, " + ("built" if is_built() else "compiled on first use (about a minute)")
+    return "\n".join([
+        f"fastdraft {__version__}, Python {platform.python_version()}, torch {torch.__version__}",
+        f"CPU: {cpu_model()} ({platform.machine()}, {os.cpu_count()} logical cores)",
+        f"CPU flags: {' '.join(f for f in _ISA_FLAGS if f in flags) or '(none of the x86 extensions fastdraft uses)'}",
+        f"kernels: {kernels}",
+        f"threads: {torch.get_num_threads()}",
+        f"kernel cache: {cache_dir()}",
+        f"FASTDRAFT_HOME: {fastdraft_home()}",
+    ])
+
+
 # Commands that run a model, and so get fastdraft's process-wide settings (fastdraft/process.py).
 _MODEL_COMMANDS = frozenset({"generate", "serve", "quantize", "eval"})
 
@@ -382,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             configure_process(num_threads=getattr(args, "threads", None))
         if args.command == "pull":
             _cmd_pull(args)
+        elif args.command == "info":
+            print(_info())
         elif args.command == "models":
             for name, source in KNOWN_MODELS.items():
                 print(f"{name}\t{source.description}")

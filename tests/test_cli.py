@@ -173,3 +173,22 @@ def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_p
                    "cannot write")
     _fails_cleanly(capsys, ["quantize", "--model", str(llama_dir), "--auto", "--candidates", "method=rtn;int8_linears=w_proj"],
                    "unknown decoder linear")
+
+
+def test_info_names_the_cpu_kernels_threads_and_versions(capsys, monkeypatch):
+    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_model, load_x86_extension
+
+    assert main(["info"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[1:])
+    assert lines["CPU"].startswith(cpu_model())
+    assert lines["threads"] == str(torch.get_num_threads())
+    assert lines["kernel cache"] == str(cache_dir())
+    if load_x86_extension() is not None:
+        assert lines["kernels"] == f"{KERNEL_VARIANT}, built"
+        assert "avx512_vnni" in lines["CPU flags"].split()
+    else:
+        assert lines["kernels"].startswith("PyTorch fallback (")
+    # What the kernels would say on a machine where they are off, with the reason.
+    monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
+    assert main(["info"]) == 0
+    assert "kernels: PyTorch fallback (disabled by FASTDRAFT_DISABLE_CPU_KERNELS)" in capsys.readouterr().out

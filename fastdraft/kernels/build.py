@@ -83,22 +83,49 @@ def compile_extension(name: str, csrc: Path, build_dir: Path) -> ModuleType:
                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
+# The instruction set the C++ kernels are built for.
+KERNEL_VARIANT = "avx512_vnni"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def unavailable_reason() -> str | None:
+    """Why fastdraft's C++ kernels cannot run here, or None when they can."""
+    if os.environ.get("FASTDRAFT_DISABLE_CPU_KERNELS"):
+        return "disabled by FASTDRAFT_DISABLE_CPU_KERNELS"
+    missing = missing_cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler found"
+    return None
+
+
+def is_built() -> bool:
+    """Whether this checkout's kernels are compiled in the cache already."""
+    return any(cache_dir().glob("*.so"))
+
+
 @functools.cache
 def load_x86_extension() -> ModuleType | None:
     """The compiled x86 kernel module, or ``None`` (with a logged reason) if it cannot run here."""
-    if os.environ.get("FASTDRAFT_DISABLE_CPU_KERNELS"):
-        logger.info("fastdraft CPU kernels disabled by FASTDRAFT_DISABLE_CPU_KERNELS; using PyTorch kernels")
-        return None
-    missing = missing_cpu_flags()
-    if missing:
-        logger.warning("this CPU lacks %s: using PyTorch's weight-only kernels instead of fastdraft's",
-                       ", ".join(missing))
-        return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        logger.warning("no C++ compiler found: using PyTorch's weight-only kernels instead of fastdraft's")
+    reason = unavailable_reason()
+    if reason is not None:
+        log = logger.info if os.environ.get("FASTDRAFT_DISABLE_CPU_KERNELS") else logger.warning
+        log("fastdraft's CPU kernels are off (%s): using PyTorch's kernels", reason)
         return None
     build_dir = cache_dir()
-    if not any(build_dir.glob("*.so")):
+    if not is_built():
         logger.warning("building fastdraft's CPU kernels (first use only, about a minute) in %s", build_dir)
     try:
         return compile_extension("fastdraft_woq_x86", CSRC, build_dir)
