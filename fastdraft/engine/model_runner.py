@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+
 import torch
 
 from fastdraft.engine.block_manager import BlockManager

@@ -96,13 +96,13 @@ class FusedDecoder:
 
     Built from the modules as they are at that moment (``LlamaForCausalLM.fused_decoder``) and
     owned by whoever built it: the engine's runner, a speculative proposer, and run by one thread
-    at a time. A module replaced
-    afterwards (quantized in place, say) is not seen; build a new decoder then. The pieces the
-    C++ side cannot take run in Python around it: an embedding of another format (INT8, say),
-    a final norm of another dtype; the head runs inside only when it is weight-only."""
+    at a time. A module replaced afterwards (quantized in place, say) is not seen; build a new
+    decoder then. The pieces the C++ side cannot take run in Python around it: an embedding of
+    another format (INT8, say), a final norm of another dtype; the head runs inside only when it
+    is weight-only."""
 
     def __init__(self, ext, layer_ops: list, embed: nn.Module, rotary: nn.Module, norm: nn.Module, head,
-                 dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.ext = ext
         self.layer_ops = layer_ops
         self.dtype, self.device = dtype, device
@@ -110,6 +110,7 @@ class FusedDecoder:
         self.embed, self.rotary, self.norm, self._head = embed, rotary, norm, head
         self._step = None
         self._step_key: tuple | None = None
+        self._is_norm_inside = False  # of the current step
 
     def _current_step(self):
         """The C++ step, built again when the embedding table or the final norm it holds has
@@ -124,6 +125,7 @@ class FusedDecoder:
                                                norm.weight.detach() if is_norm_inside else None, norm.eps,
                                                self._head if self.has_head else None)
             self._step_key = key
+            self._is_norm_inside = is_norm_inside
         return self._step
 
     @property
@@ -145,7 +147,7 @@ class FusedDecoder:
         if any(op is None for op in ops):
             return None
         head = _linear_op(ext, lm_head, dtype, device, min_rows) if isinstance(lm_head, QuantLinear) else None
-        return cls(ext, ops, model.embed_tokens, model.rotary_emb, model.norm, head, dtype, device, min_rows)
+        return cls(ext, ops, model.embed_tokens, model.rotary_emb, model.norm, head, dtype, device)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
              meta: PagedAttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -164,7 +166,7 @@ class FusedDecoder:
         region; dense ones layer by layer, their kernels as
         :func:`~fastdraft.kernels.mode.is_batch_invariant` says."""
         out = self._run(input_ids, positions, kv_cache, meta, None)
-        return out if _is_fusable_norm(self.norm, self.dtype) else self.norm(out)
+        return out if self._is_norm_inside else self.norm(out)
 
     def logits_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                      meta: PagedAttentionMetadata, logit_rows: list[int]) -> torch.Tensor:
