@@ -35,7 +35,7 @@ import fastdraft.models.fused_decoder as fused_decoder
 from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 
-# Modules that bound ``load_x86_extension`` by name: pointed at one build at a time.
+# Modules that bound ``load_cpu_kernels`` by name: pointed at one build at a time.
 _LOADER_USERS = (x86, fused, fused_decoder)
 
 
@@ -50,7 +50,7 @@ def build_from(folder: Path) -> ModuleType:
 def load_with(ext: ModuleType, args: argparse.Namespace):
     """The model quantized, with a fused decoder on ``ext``; -> (model, cache, decoder)."""
     for module in _LOADER_USERS:
-        module.load_x86_extension = lambda ext=ext: ext
+        module.load_cpu_kernels = lambda ext=ext: ext
     # load_in_low_bit's quantization, with the group size asked for (load_in_low_bit's is 32).
     loaded = load_model(args.model, dtype="bf16" if args.quant is not None else args.low_bit)
     if args.quant is not None:

@@ -384,18 +384,31 @@ def _info() -> str:
 
     from fastdraft import __version__
     from fastdraft.fileio import fastdraft_home
-    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_flags, cpu_model, is_built, unavailable_reason
+    from fastdraft.kernels.build import (ISA_ENV, cache_dir, cpu_features, cpu_flags, cpu_model, is_built,
+                                         runnable_isas, select_isa, unavailable_reason)
 
     flags = cpu_flags()
     reason = unavailable_reason()
+    runs = "-"
     if reason is not None:
         kernels = f"PyTorch fallback ({reason})"
     else:
-        kernels = f"{KERNEL_VARIANT}, " + ("built" if is_built() else "compiled on first use (about a minute)")
+        # CPUID and XGETBV once the driver is built; until then /proc/cpuinfo, which names the
+        # features alike, so that this command compiles nothing.
+        features = cpu_features() if is_built() else {flag: True for flag in flags}
+        runs = ", ".join(runnable_isas(features))
+        try:
+            name = select_isa(features)
+            how = ISA_ENV if os.environ.get(ISA_ENV) else "the best this CPU runs"
+            state = "built" if is_built() else "compiled on first use (about a minute)"
+            kernels = f"{name} ({how}; {state})"
+        except ValueError as exc:
+            kernels = f"none: {exc}"
     return "\n".join([
         f"fastdraft {__version__}, Python {platform.python_version()}, torch {torch.__version__}",
         f"CPU: {cpu_model()} ({platform.machine()}, {os.cpu_count()} logical cores)",
         f"CPU flags: {' '.join(f for f in _ISA_FLAGS if f in flags) or '(none of the x86 extensions fastdraft uses)'}",
+        f"kernel variants this CPU runs: {runs}",
         f"kernels: {kernels}",
         f"threads: {torch.get_num_threads()}",
         f"kernel cache: {cache_dir()}",
@@ -414,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
         if args.command in _MODEL_COMMANDS:  # the library leaves malloc and threads to its entry points
             configure_process(num_threads=getattr(args, "threads", None))
+            # A FASTDRAFT_ISA this CPU cannot run stops here, before any model loads; -v logs the choice.
+            from fastdraft.kernels.build import load_cpu_kernels
+            load_cpu_kernels()
         if args.command == "pull":
             _cmd_pull(args)
         elif args.command == "info":

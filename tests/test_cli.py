@@ -176,14 +176,14 @@ def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_p
 
 
 def test_info_names_the_cpu_kernels_threads_and_versions(capsys, monkeypatch):
-    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_model, load_x86_extension
+    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_model, load_cpu_kernels
 
     assert main(["info"]) == 0
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[1:])
     assert lines["CPU"].startswith(cpu_model())
     assert lines["threads"] == str(torch.get_num_threads())
     assert lines["kernel cache"] == str(cache_dir())
-    if load_x86_extension() is not None:
+    if load_cpu_kernels() is not None:
         assert lines["kernels"] == f"{KERNEL_VARIANT}, built"
         assert "avx512_vnni" in lines["CPU flags"].split()
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.speculation import Speculation
@@ -58,7 +58,7 @@ class TextGenerator:
         if self.model.device.type == "cpu":
             # Build (first use, about a minute) or load the CPU kernels now, so that a one-time
             # compile is not counted in the first request's TTFT.
-            load_x86_extension()
+            load_cpu_kernels()
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
         self.speculative = speculative

@@ -1,4 +1,4 @@
-"""Fused decoder-layer ops: C++ (``csrc/fused_x86.cpp``, ``csrc/attention_x86.cpp``) with PyTorch twins.
+"""Fused decoder-layer ops: C++ (``csrc/fused.cpp``, ``csrc/attention.cpp``) with PyTorch twins.
 
 Each public function runs the C++ op when the tensors qualify (CPU, float32/bfloat16, the
 extension built) and otherwise its ``reference_*`` twin, which defines the semantics: the same
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.reference import apply_rotary
 
@@ -26,7 +26,7 @@ def _extension_for(*tensors: torch.Tensor):
         return None
     if any(t.dtype != first.dtype for t in tensors):
         return None
-    return load_x86_extension()
+    return load_cpu_kernels()
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,7 +172,7 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
                                          [int(n) for n in context_lens], scale)
     qsl = torch.as_tensor(query_start_loc, dtype=torch.long)
     lens = torch.as_tensor(context_lens, dtype=torch.long)
-    return load_x86_extension().paged_attention(q, k_blocks, v_blocks, block_tables.contiguous(), qsl, lens, scale)
+    return load_cpu_kernels().paged_attention(q, k_blocks, v_blocks, block_tables.contiguous(), qsl, lens, scale)
 
 
 def reference_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,18 +1,20 @@
-"""fastdraft's own INT4/INT6/INT8 weight-only kernels for x86-64 (AVX-512 + VNNI), C++ in ``csrc/``.
+"""fastdraft's own INT4/INT6/INT8 weight-only kernels for x86-64, C++ in ``csrc/``.
 
 Repacked layout (built once per layer by :func:`repack`)
 --------------------------------------------------------
 ``K`` is zero-padded to ``k_pad``, a multiple of 128, and ``N`` to a multiple of 16.
 
-* ``packed`` uint8 ``[num_tiles, num_chunks, 16, 4]``: tile ``t`` holds output rows
-  ``16t..16t+15``; one 64-byte chunk holds 4 bytes per row, so a single ``vpdpbusd`` multiplies
-  16 rows at once by 4 broadcast activation bytes.
+* ``packed`` uint8 ``[num_tiles, num_chunks, tile, 4]``: tile ``t`` holds output rows
+  ``tile*t .. tile*t + tile-1``, where ``tile`` is the instruction-set variant's choice
+  (``CpuKernels.tile_rows``; 16 for every variant today). One chunk holds 4 bytes per row, so
+  with 16 rows a single ``vpdpbusd`` (AVX-512) or two ``vpmaddubsw`` (AVX2) multiply every row
+  at once by 4 broadcast activation bytes.
   INT4: a chunk covers 8 input channels, byte ``j`` of row ``n`` holds ``q[n, 8c+j]`` in its
   low nibble and ``q[n, 8c+4+j]`` in its high nibble. INT8: 4 channels, stored as ``q + 128``.
   INT6 (values 0..63): a chunk is 96 bytes, INT4's 64 bytes of low nibbles, then 32 bytes of
   the values' bits 4-5: byte ``i`` holds, from bit 0, those of the low and the high nibble of
   nibble byte ``i``, then of nibble byte ``i + 32`` (the kernel spreads them with two shifts).
-* ``scales`` float16 ``[num_tiles, num_groups, 16]``, ``zeros`` uint8 likewise (asymmetric INT4).
+* ``scales`` float16 ``[num_tiles, num_groups, tile]``, ``zeros`` uint8 likewise (asymmetric INT4).
 
 Math
 ----
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from fastdraft.formats import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
-from fastdraft.kernels.build import cpu_flags, load_x86_extension
+from fastdraft.kernels.build import CpuKernels, cpu_flags, load_cpu_kernels
 from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.kernels.mode import is_batch_invariant
 
@@ -70,10 +72,10 @@ class PackedWeight:
     zero_const: float  # zero point when ``zeros`` is empty: 8 (symmetric INT4), 32 (INT6) or 128 (INT8)
 
 
-def _tile_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[N, X] -> [num_tiles, X, 16] with zero rows appended up to n_pad."""
+def _tile_rows(t: torch.Tensor, n_pad: int, tile: int) -> torch.Tensor:
+    """[N, X] -> [num_tiles, X, tile] with zero rows appended up to n_pad."""
     t = F.pad(t, (0, 0, 0, n_pad - t.shape[0]))
-    return t.reshape(n_pad // TILE, TILE, -1).transpose(1, 2).contiguous()
+    return t.reshape(n_pad // tile, tile, -1).transpose(1, 2).contiguous()
 
 
 def _int6_chunks(q: torch.Tensor) -> torch.Tensor:
@@ -87,11 +89,14 @@ def _int6_chunks(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((nibbles, high_bytes), dim=-1).contiguous()
 
 
-def repack(qw: QuantizedWeight) -> PackedWeight:
-    """Canonical :class:`QuantizedWeight` -> the kernel layout documented above."""
+def repack(qw: QuantizedWeight, tile: int = TILE) -> PackedWeight:
+    """Canonical :class:`QuantizedWeight` -> the kernel layout documented above, in tiles of
+    ``tile`` output rows (the variant's ``tile_rows``)."""
+    if tile != TILE and qw.bits == 6:
+        raise ValueError(f"the INT6 layout is defined for tiles of {TILE} rows, not {tile}")
     n, k, g = qw.out_features, qw.in_features, qw.group_size
     k_pad = -(-k // K_ALIGN) * K_ALIGN
-    n_pad = -(-n // TILE) * TILE
+    n_pad = -(-n // tile) * tile
     is_per_channel = g == k
     group = k_pad if is_per_channel else g
     block = min(group, K_ALIGN)
@@ -108,18 +113,18 @@ def repack(qw: QuantizedWeight) -> PackedWeight:
         q = (qw.qweight.to(torch.int16) + sym_zero_point(8)).to(torch.uint8)  # [N, K] 1..255
         pad_value = sym_zero_point(8)
     q = F.pad(q, (0, k_pad - k, 0, n_pad - n), value=pad_value)
-    q = q.reshape(n_pad // TILE, TILE, -1, 4)  # [tiles, 16, k_pad / 4, 4]
+    q = q.reshape(n_pad // tile, tile, -1, 4)  # [tiles, tile, k_pad / 4, 4]
     if qw.bits == 6:
-        packed = _int6_chunks(q.reshape(n_pad // TILE, TILE, k_pad // 8, 2, 4))
+        packed = _int6_chunks(q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4))
     else:
         if qw.bits == 4:
-            q = q.reshape(n_pad // TILE, TILE, k_pad // 8, 2, 4)  # k = 8c + 4h + j
+            q = q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4)  # k = 8c + 4h + j
             q = q[..., 0, :] | (q[..., 1, :] << 4)  # [tiles, 16, chunks, 4]
         packed = q.transpose(1, 2).contiguous()  # [tiles, chunks, 16, 4]
 
     def per_group(t: torch.Tensor, fill: float) -> torch.Tensor:
         t = F.pad(t, (0, num_groups - t.shape[1]), value=fill)  # padded groups of zeros (K tail)
-        return _tile_rows(t, n_pad)
+        return _tile_rows(t, n_pad, tile)
 
     scales = per_group(qw.scales.to(torch.float16), 0.0)
     zeros = per_group(qw.zeros, 0) if qw.zeros is not None else torch.empty(0, dtype=torch.uint8)
@@ -160,9 +165,10 @@ def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 class X86WoqKernel(WeightOnlyKernel):
-    """AVX-512 VNNI INT4/INT6/INT8 GEMV and small-M GEMM; dequantize + oneDNN GEMM for large M."""
+    """INT4/INT6/INT8 GEMV and small-M GEMM on the instruction-set variant this CPU runs
+    (AVX-512 VNNI, AVX2 or plain C++); dequantize + oneDNN GEMM for large M on AMX CPUs."""
 
-    name = "x86-vnni"
+    name = "x86"
     capabilities = KernelCapabilities(bits=(4, 6, 8), is_asym_supported=True, group_sizes=None,
                                       activation_dtypes=(torch.float32, torch.bfloat16),
                                       device_types=("cpu",), priority=20, is_row_invariant=True,
@@ -170,7 +176,7 @@ class X86WoqKernel(WeightOnlyKernel):
 
     @classmethod
     def is_available(cls) -> bool:
-        return load_x86_extension() is not None
+        return load_cpu_kernels() is not None
 
     @classmethod
     def supports(cls, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -179,11 +185,11 @@ class X86WoqKernel(WeightOnlyKernel):
         return super().supports(qw, dtype, device)
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device,
-                 large_m: int | None = -1) -> None:
-        self.ext = load_x86_extension()
+                 large_m: int | None = -1, kernels: CpuKernels | None = None) -> None:
+        self.ext = kernels if kernels is not None else load_cpu_kernels()
         if self.ext is None:
             raise ValueError("the x86 kernels are not available on this system")
-        self.weight = repack(qw)
+        self.weight = repack(qw, self.ext.tile_rows)
         self.dtype = dtype
         # -1: decide from the CPU; None: VNNI at every M.
         large_m = default_large_m() if large_m == -1 else large_m

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.sampler import batched_probs, greedy_ids, reference_sample_from_probs
 from fastdraft.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ def _verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, ta
         torch.empty(0, device=device)
     is_kernel = (not is_reference and device.type == "cpu" and target_probs.dtype == torch.float32
                  and draft_probs.dtype == torch.float32)
-    ext = load_x86_extension() if is_kernel else None
+    ext = load_cpu_kernels() if is_kernel else None
     if ext is not None:
         extra_uniform = torch.rand(1, generator=generator, dtype=torch.float64)  # as sample_from_probs draws
         num_accepted, extra = ext.rejection_sample(draft_token_ids, draft_probs, draft_vocab_ids, target_probs,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -42,7 +42,7 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     the interpreter's working set, each Python-level call costs 10-30 us: hence one call."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(dim=-1)
-    ext = load_x86_extension()
+    ext = load_cpu_kernels()
     if ext is not None:
         return ext.argmax_rows(logits)
     flat = logits.reshape(-1, logits.shape[-1]).numpy()  # [rows, vocab_size], a view
@@ -75,7 +75,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None, is_reference: 
     flat = probs.reshape(-1, probs.shape[-1])  # [rows, vocab_size]
     uniform = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
     is_kernel = not is_reference and flat.device.type == "cpu" and flat.dtype == torch.float32
-    ext = load_x86_extension() if is_kernel else None
+    ext = load_cpu_kernels() if is_kernel else None
     ids = _search_cdf(flat, uniform) if ext is None else ext.sample_rows(flat, uniform)  # [rows]
     return ids.view(probs.shape[:-1])
 
@@ -141,7 +141,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
         probs = batched_probs(logits[sampled_rows], rows_params)  # [num_sampled, vocab_size]
         uniform = torch.cat([torch.rand(1, generator=generators[i], device=logits.device, dtype=torch.float64)
                              for i in sampled_rows]).unsqueeze(1)  # [num_sampled, 1]
-        ext = load_x86_extension() if probs.device.type == "cpu" else None
+        ext = load_cpu_kernels() if probs.device.type == "cpu" else None
         ids[sampled_rows] = _search_cdf(probs, uniform) if ext is None else ext.sample_rows(probs, uniform)
     return ids
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
@@ -140,7 +140,7 @@ class FusedDecoder:
         ``rotary_emb``) and ``lm_head`` for activations of ``dtype``, or None where the C++
         side cannot run the layers (no CPU kernels, a dtype other than fp32 and bf16, a layer it
         does not take)."""
-        ext = load_x86_extension()
+        ext = load_cpu_kernels()
         if ext is None or dtype not in (torch.float32, torch.bfloat16):
             return None
         ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in model.layers]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fastdraft.engine.loader import load_model
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.quant.config import QuantConfig
@@ -24,7 +24,7 @@ BLOCK_SIZE = 16
 
 
 def _has_avx512_bf16() -> bool:
-    ext = load_x86_extension()
+    ext = load_cpu_kernels()
     return ext is not None and ext.dense_bf16_supports(torch.zeros(1, 32, dtype=torch.bfloat16),
                                                        torch.zeros(1, 32, dtype=torch.bfloat16))
 

@@ -216,7 +216,7 @@ def test_engine_extras_min_tokens_and_logprobs_with_and_without_speculation(tiny
 
 
 def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models):
-    from fastdraft.kernels.build import load_x86_extension
+    from fastdraft.kernels.build import load_cpu_kernels
 
     loaded = load_model(tiny_models.dir("qwen2"), dtype="bf16")
     quantize_model(loaded.model, QuantConfig(method="rtn", group_size=32), show_progress=False)
@@ -225,7 +225,7 @@ def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models)
     for block_size in (4, 6):
         engine = LLMEngine(loaded, EngineConfig(num_blocks=128, block_size=block_size))
         # The C++ decoder needs the x86 kernels; without them every block size runs the modules.
-        has_decoder = block_size == 4 and load_x86_extension() is not None
+        has_decoder = block_size == 4 and load_cpu_kernels() is not None
         assert (engine.runner.decoder is not None) == has_decoder
         outputs[block_size] = [o.token_ids for o in run_to_completion(engine, PROMPTS[:3], params)]
     # PyTorch's attention rounds otherwise than the C++ kernel's: the same lengths, not the same bits.

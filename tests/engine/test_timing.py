@@ -6,7 +6,7 @@ import pytest
 
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.timing import DecodeStepTimer
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.models.fused_decoder import FusedDecoder
 
 
@@ -36,7 +36,7 @@ def test_decode_step_timer_times_the_model_runners_step(tiny_loaded, monkeypatch
     assert ms > 0
     assert len(passes) == 4  # a warm-up pass, then the timed ones
     assert all((n, lens, rows) == (1, [21], [0]) for _, n, lens, rows in passes)
-    if load_x86_extension() is None:
+    if load_cpu_kernels() is None:
         assert all(decoder is None for decoder, *_ in passes) and not cpp_steps
     else:
         decoders = {id(decoder) for decoder, *_ in passes}

@@ -6,13 +6,13 @@ import torch.nn.functional as F
 
 from fastdraft.formats import PER_CHANNEL, dequantize, quantize, unpack_int6
 from fastdraft.kernels import fused, select_kernel
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import clear_caches, load_cpu_kernels
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
 from fastdraft.layers.sampler import greedy_ids
 from tests.helpers import assert_tokens_equal_one_token_calls
 
-pytestmark = pytest.mark.skipif(load_x86_extension() is None,
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None,
                                 reason="x86 kernels unavailable (no AVX-512 VNNI or no compiler)")
 CPU = torch.device("cpu")
 # (out_features, in_features): tile tails (N % 16), K padded to 128, long K, tiny K
@@ -116,7 +116,7 @@ def test_repack_layout_of_one_int6_tile():
 
 def test_selected_for_supported_weights():
     qw = quantize(torch.randn(64, 256), 4, 128, sym=False)
-    assert select_kernel(qw, torch.bfloat16, "cpu").name == "x86-vnni"
+    assert select_kernel(qw, torch.bfloat16, "cpu").name == "x86"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -275,7 +275,7 @@ def test_paged_attention_rejects_bad_metadata():
 
 
 def _has_dense_bf16() -> bool:
-    ext = load_x86_extension()
+    ext = load_cpu_kernels()
     return ext is not None and ext.dense_bf16_applies(torch.zeros(1, 32, dtype=torch.bfloat16),
                                                       torch.zeros(1, 32, dtype=torch.bfloat16))
 
@@ -349,25 +349,25 @@ def test_linear_module_runs_the_kernel_with_nn_linear_state():
 
 def test_fallback_when_disabled(monkeypatch):
     monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
-    load_x86_extension.cache_clear()
+    clear_caches()
     try:
-        assert load_x86_extension() is None
+        assert load_cpu_kernels() is None
         qw = quantize(torch.randn(64, 256), 4, 128, sym=True)
-        assert select_kernel(qw, torch.bfloat16, "cpu").name != "x86-vnni"
+        assert select_kernel(qw, torch.bfloat16, "cpu").name != "x86"
         x = torch.randn(2, 8)
         assert torch.equal(fused.silu_and_mul(x), fused.reference_silu_and_mul(x))
         assert torch.equal(greedy_ids(x), x.argmax(dim=-1))  # numpy's argmax instead
     finally:
         monkeypatch.delenv("FASTDRAFT_DISABLE_CPU_KERNELS")
-        load_x86_extension.cache_clear()
-    assert load_x86_extension() is not None
+        clear_caches()
+    assert load_cpu_kernels() is not None
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 47, 300, 151936])
 def test_argmax_rows_matches_torch_argmax(n):
     """argmax_rows against its twin torch.argmax: ties, NaN and infinities in the vector part
     and in the tail, rows of one value, and shapes of 1 to 3 dims."""
-    ext = load_x86_extension()
+    ext = load_cpu_kernels()
     gen = torch.Generator().manual_seed(n)
     rows = torch.randn(9, n, generator=gen)
     rows[1] = 0.5  # all tied: the first index
@@ -387,4 +387,4 @@ def test_argmax_rows_matches_torch_argmax(n):
 
 def test_argmax_rows_rejects_other_dtypes():
     with pytest.raises(RuntimeError, match="fp32"):
-        load_x86_extension().argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+        load_cpu_kernels().argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.fused import paged_attention_kernel_applies
 from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS, paged_attention
 from fastdraft.layers.kv_cache import Span, flat_batch
@@ -80,7 +80,7 @@ def test_paged_attention_matches_naive(num_heads, num_kv_heads, case, head_dim, 
     q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2  # [num_tokens, heads, dim]
     out = paged_attention(q, k_blocks, v_blocks, meta, scale)
     assert out.shape == q.shape
-    is_kernel = head_dim == 16 and block_size == 4 and load_x86_extension() is not None
+    is_kernel = head_dim == 16 and block_size == 4 and load_cpu_kernels() is not None
     assert paged_attention_kernel_applies(q, k_blocks) == is_kernel
     for i, (num_new, length) in enumerate(seqs):
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])

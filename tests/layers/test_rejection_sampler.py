@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.layers.rejection_sampler import (rejection_sample_batch, reference_verify_sampled, verify_greedy,
@@ -11,7 +11,7 @@ from fastdraft.layers.rejection_sampler import (rejection_sample_batch, referenc
 
 # verify_sampled runs the C++ rejection_sample on the CPU; its twin runs torch ops. Both must
 # pass every statistical test, and give the same tokens from the same seed.
-NO_KERNELS = load_x86_extension() is None
+NO_KERNELS = load_cpu_kernels() is None
 VERIFIERS = [pytest.param(verify_sampled, id="kernel", marks=pytest.mark.skipif(
                  NO_KERNELS, reason="x86 kernels unavailable: verify_sampled would run its twin, the 'twin' case")),
              pytest.param(reference_verify_sampled, id="twin")]

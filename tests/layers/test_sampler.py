@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.sampler import (greedy_ids, logits_to_probs, reference_sample_from_probs, sample,
                                       sample_batch, sample_from_probs)
 from fastdraft.sampling_params import SamplingParams
@@ -201,7 +201,7 @@ def test_sampling_params_defaults_and_normalisation():
     assert not SamplingParams(temperature=0.7).is_greedy
 
 
-@pytest.mark.skipif(load_x86_extension() is None,
+@pytest.mark.skipif(load_cpu_kernels() is None,
                     reason="x86 kernels unavailable: the twin would be compared with itself")
 @pytest.mark.parametrize("vocab", [1, 7, 127, 128, 300, 8_300, 32_768, 151_936])
 def test_sample_rows_kernel_matches_its_twin(vocab):

@@ -7,7 +7,7 @@ import torch
 
 from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.loader import load_model
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
@@ -16,7 +16,7 @@ from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import append_pass, paged_batch
 
-pytestmark = pytest.mark.skipif(load_x86_extension() is None, reason="x86 kernels unavailable on this CPU")
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="x86 kernels unavailable on this CPU")
 
 QUANTS = {
     "dense": None,

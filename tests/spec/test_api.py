@@ -5,7 +5,7 @@ import torch
 
 import fastdraft
 from fastdraft import LLM, AutoModelForCausalLM, SamplingParams
-from fastdraft.kernels.build import load_x86_extension
+from fastdraft.kernels.build import load_cpu_kernels
 
 
 def test_llm_generate_plain_and_self_speculative_agree(tiny_models):
@@ -19,7 +19,7 @@ def test_llm_generate_plain_and_self_speculative_agree(tiny_models):
     assert spec[0].metrics.spec is not None
     # Without the C++ kernels the INT4 draft runs on PyTorch's slow twins and the load-aware
     # policy rightly drafts nothing; tests/spec/test_engine_spec.py checks a fixed draft length.
-    if load_x86_extension() is not None:
+    if load_cpu_kernels() is not None:
         assert spec[0].metrics.spec.num_steps > 0
     assert spec[0].prompt == "def f(x):\n" and spec[0].prompt_token_ids
     chat = spec_llm.chat([{"role": "user", "content": "hi"}], params)

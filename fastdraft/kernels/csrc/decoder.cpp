@@ -16,7 +16,6 @@
 // region, with work stealing between the threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -30,13 +29,13 @@
 #include <utility>
 #include <vector>
 
-#include "simd_x86.h"
-#include "x86_kernels.h"
+#include "kernels.h"
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor woq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros,
-                         int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group, double zero_const);
+torch::Tensor rms_norm(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(const fastdraft::IsaPtr& isa, torch::Tensor x);
+torch::Tensor woq_linear(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                         torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,
+                         double zero_const);
 
 namespace {
 
@@ -48,6 +47,7 @@ struct Linear {
   torch::Tensor weight;  // dense [N, K], undefined for weight-only
   fastdraft::WoqWeight woq;  // used when weight is undefined and parts empty
   torch::Tensor bias;
+  fastdraft::IsaPtr isa;  // the kernels that run it
   int64_t min_rows = 1;
   std::vector<std::shared_ptr<Linear>> parts;  // non-empty: the concatenation of these
 
@@ -74,33 +74,36 @@ struct Linear {
     }
     if (weight.defined()) {
       // As fastdraft.kernels.fused.dense_linear: the row-invariant kernel needs no padding.
-      if (fastdraft::dense_bf16_applies(x, weight, bias) ||
-          (is_batch_invariant && fastdraft::dense_bf16_supports(x, weight, bias)))
-        return fastdraft::dense_bf16_linear(x, weight, bias);
+      if (fastdraft::dense_bf16_applies(*isa, x, weight, bias) ||
+          (is_batch_invariant && fastdraft::dense_bf16_supports(*isa, x, weight, bias)))
+        return fastdraft::dense_bf16_linear(*isa, x, weight, bias);
       const int64_t m = x.size(0);
       if (m >= min_rows) return at::linear(x, weight, bias);
       auto padded = at::constant_pad_nd(x, {0, 0, 0, min_rows - m});
       return at::linear(padded, weight, bias).narrow(0, 0, m);
     }
-    auto y = woq_linear(x, woq.packed, woq.scales, woq.zeros, woq.bits, woq.out_features, woq.k_pad, woq.block,
+    auto y = woq_linear(isa, x, woq.packed, woq.scales, woq.zeros, woq.bits, woq.out_features, woq.k_pad, woq.block,
                         woq.group, woq.zero_const);
     return bias.defined() ? y + bias : y;
   }
 };
 
-std::shared_ptr<Linear> dense_linear(torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t min_rows) {
+std::shared_ptr<Linear> dense_linear(const fastdraft::IsaPtr& isa, torch::Tensor weight,
+                                     c10::optional<torch::Tensor> bias, int64_t min_rows) {
   auto lin = std::make_shared<Linear>();
+  lin->isa = isa;
   lin->weight = weight;
   if (bias) lin->bias = *bias;
   lin->min_rows = min_rows;
   return lin;
 }
 
-std::shared_ptr<Linear> woq_linear_op(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
+std::shared_ptr<Linear> woq_linear_op(const fastdraft::IsaPtr& isa, torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
                                       int64_t out_features, int64_t k_pad, int64_t block, int64_t group,
                                       double zero_const, c10::optional<torch::Tensor> bias) {
   auto lin = std::make_shared<Linear>();
-  lin->woq = fastdraft::WoqWeight{packed, scales, zeros, bits, out_features, k_pad, block, group, zero_const};
+  lin->isa = isa;
+  lin->woq = fastdraft::WoqWeight{packed, scales, zeros, bits, out_features, k_pad, block, group, zero_const, isa};
   fastdraft::check_woq_weight(lin->woq);
   if (bias) lin->bias = *bias;
   return lin;
@@ -213,7 +216,7 @@ class Projection {
   // k_pad(), past K) for every activation format.
   void quantize(const torch::Tensor& x, int64_t c0, int64_t c1) {
     for (int j = 0; j < num_acts_; ++j)
-      if (c0 < acts_[j].k_pad) fastdraft::quantize_activation_columns(x, c0, c1, acts_[j]);
+      if (c0 < acts_[j].k_pad) fastdraft::quantize_activation_columns(*leaves_[0].lin->isa, x, c0, c1, acts_[j]);
   }
 
   // Any thread: fetch into L2 the first max_bytes of its initial share of the weights, so that
@@ -226,7 +229,7 @@ class Projection {
       if (first >= leaf.first_tile + n) continue;
       const char* p = reinterpret_cast<const char*>(w.tile(first - leaf.first_tile));
       const int64_t bytes = std::min(max_bytes, (leaf.first_tile + n - first) * w.tile_bytes());
-      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);  // into L2
       return;
     }
   }
@@ -249,7 +252,7 @@ class Projection {
       if (!leaf.lin->bias.defined()) continue;
       const int64_t b0 = std::max<int64_t>(c0 - leaf.col0, 0);
       const int64_t b1 = std::min<int64_t>(c1 - leaf.col0, leaf.lin->woq.out_features);
-      if (b0 < b1) fastdraft::add_bias(out_, leaf.col0, leaf.lin->bias, b0, b1);
+      if (b0 < b1) fastdraft::add_bias(*leaf.lin->isa, out_, leaf.col0, leaf.lin->bias, b0, b1);
     }
   }
 
@@ -332,8 +335,10 @@ struct PagedAttention {
   torch::Tensor slot_mapping, block_tables, query_start_loc, context_lens;
   fastdraft::PagedAttentionPlan plan;
 
+  fastdraft::IsaPtr isa;
+
   void replan(const DecoderLayer& layer, int i) {
-    fastdraft::paged_attention_replan(plan, k_blocks[i].scalar_type(), layer.num_heads, k_blocks[i], v_blocks[i],
+    fastdraft::paged_attention_replan(plan, isa, k_blocks[i].scalar_type(), layer.num_heads, k_blocks[i], v_blocks[i],
                                       block_tables, query_start_loc, context_lens, layer.scale);
   }
   int64_t num_items() const { return plan.num_items(); }
@@ -353,7 +358,8 @@ struct PagedAttention {
 torch::Tensor layer_forward_paged(const DecoderLayer& layer, int i, const torch::Tensor& h, const torch::Tensor& cos,
                                   const torch::Tensor& sin, PagedAttention& attention, bool is_batch_invariant) {
   const int64_t num_tokens = h.size(0);
-  auto qkv = (*layer.qkv)(rms_norm(h, layer.input_norm, layer.eps), is_batch_invariant).contiguous();
+  const auto& isa = attention.isa;
+  auto qkv = (*layer.qkv)(rms_norm(isa, h, layer.input_norm, layer.eps), is_batch_invariant).contiguous();
   attention.replan(layer, i);
   at::parallel_for(0, layer.num_kv_heads, 1, [&](int64_t g0, int64_t g1) { attention.rope(qkv, cos, sin, g0, g1); });
   at::parallel_for(0, attention.num_items(), 1, [&](int64_t i0, int64_t i1) { attention.items(i0, i1); });
@@ -361,8 +367,8 @@ torch::Tensor layer_forward_paged(const DecoderLayer& layer, int i, const torch:
   at::parallel_for(0, layer.num_heads, 1,
                    [&](int64_t j0, int64_t j1) { attention.finish(attn, j0, j1); });
   auto hidden = h + (*layer.o_proj)(attn, is_batch_invariant);
-  auto gate_up = (*layer.gate_up)(rms_norm(hidden, layer.post_attention_norm, layer.eps), is_batch_invariant);
-  return hidden + (*layer.down)(silu_and_mul(gate_up), is_batch_invariant);
+  auto gate_up = (*layer.gate_up)(rms_norm(isa, hidden, layer.post_attention_norm, layer.eps), is_batch_invariant);
+  return hidden + (*layer.down)(silu_and_mul(isa, gate_up), is_batch_invariant);
 }
 
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
@@ -382,6 +388,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   const int64_t d = first.head_dim, num_heads = first.num_heads, num_kv_heads = first.num_kv_heads;
   const int64_t intermediate = first.gate_up->out_features() / 2;
   const auto options = h.options();
+  const fastdraft::Isa& isa = *attention.isa;
   // The residual stream alternates between resid (into a layer) and mid (after attention).
   auto resid = h.clone(), mid = torch::empty_like(h), normed = torch::empty_like(h);  // [T, hidden]
   auto attn_out = torch::empty({num_tokens, num_heads * d}, options);
@@ -435,7 +442,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, qkv.k_pad(), qkv.unit());
         const bool is_first = i == 0;  // the input itself is the residual stream
-        fastdraft::residual_rms_norm_columns(is_first ? resid : mid, is_first ? none : down.out(), layer.input_norm,
+        fastdraft::residual_rms_norm_columns(isa, is_first ? resid : mid, is_first ? none : down.out(), layer.input_norm,
                                              layer.eps, is_first ? none : resid, normed, std::min(c0, hidden_size),
                                              std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
@@ -483,7 +490,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       // The attention residual into mid, post-attention norm, gate_up activations.
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, gate_up.k_pad(), gate_up.unit());
-        fastdraft::residual_rms_norm_columns(resid, o_proj.out(), layer.post_attention_norm, layer.eps, mid, normed,
+        fastdraft::residual_rms_norm_columns(isa, resid, o_proj.out(), layer.post_attention_norm, layer.eps, mid, normed,
                                              std::min(c0, hidden_size), std::min(c1, hidden_size));
         gate_up.quantize(normed, c0, c1);
         gate_up.prefetch_share(tid, kSectionPrefetchBytes);
@@ -500,7 +507,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           gate_up.add_bias(e0, e1);
           gate_up.add_bias(intermediate + e0, intermediate + e1);
         }
-        fastdraft::silu_and_mul_columns(gate_up.out(), mlp_act, e0, e1);
+        fastdraft::silu_and_mul_columns(isa, gate_up.out(), mlp_act, e0, e1);
         down.quantize(mlp_act, c0, c1);
         if (tid == 0 && i + 1 < num_layers) o_proj.bind(*layers[i + 1]->o_proj, num_tokens, options, nth);
         down.prefetch_share(tid, kSectionPrefetchBytes);
@@ -515,13 +522,13 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
     guarded([&] {
       if (!final_norm.defined()) {
         const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
-        fastdraft::add_columns(mid, down.out(), resid, c0, c1);
+        fastdraft::add_columns(isa, mid, down.out(), resid, c0, c1);
         return;
       }
       if (head) lm_head.prefetch_share(tid, kSectionPrefetchBytes);
       const auto [c0, c1] = head ? unit_share(tid, nth, lm_head.k_pad(), lm_head.unit())
                                  : unit_share(tid, nth, hidden_size, 16);
-      fastdraft::residual_rms_norm_columns(mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
+      fastdraft::residual_rms_norm_columns(isa, mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
                                            std::min(c0, hidden_size), std::min(c1, hidden_size));
       if (head) {
         const int64_t h0 = std::min(c0, hidden_size), h1 = std::min(c1, hidden_size);
@@ -579,17 +586,11 @@ torch::Tensor table_rows(const torch::Tensor& table, const torch::Tensor& ids, c
 
 // x as fp32: bf16 widened exactly (its bits are fp32's upper half), in one pass with no
 // dispatch (Tensor::to takes about 90 us for 152k logits); fp32 as it is.
-torch::Tensor to_float(const torch::Tensor& x) {
+torch::Tensor to_float(const fastdraft::Isa& isa, const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat) return x;
   if (x.scalar_type() != torch::kBFloat16 || !x.is_contiguous()) return x.to(torch::kFloat);
   auto out = torch::empty(x.sizes(), x.options().dtype(torch::kFloat));
-  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
-  float* dst = out.data_ptr<float>();
-  const int64_t n = x.numel();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = fastdraft::simd::tail_mask(n - i);
-    fastdraft::simd::store16(dst + i, fastdraft::simd::load16(src + i, m), m);
-  }
+  isa.table->scale_to_float(fastdraft::kElemBFloat16, x.data_ptr(), 1.0f, out.data_ptr<float>(), x.numel());
   return out;
 }
 
@@ -604,12 +605,14 @@ torch::Tensor to_float(const torch::Tensor& x) {
 // call or the step's end (the owner, the engine's runner, owns that pool for as long anyway).
 class PagedDecoder {
  public:
-  PagedDecoder(std::vector<std::shared_ptr<DecoderLayer>> layers, c10::optional<torch::Tensor> embed,
-               c10::optional<torch::Tensor> final_norm, double eps, std::shared_ptr<Linear> head)
-      : layers_(std::move(layers)), is_weight_only_(is_all_weight_only(layers_)),
+  PagedDecoder(fastdraft::IsaPtr isa, std::vector<std::shared_ptr<DecoderLayer>> layers,
+               c10::optional<torch::Tensor> embed, c10::optional<torch::Tensor> final_norm, double eps,
+               std::shared_ptr<Linear> head)
+      : isa_(std::move(isa)), layers_(std::move(layers)), is_weight_only_(is_all_weight_only(layers_)),
         embed_(embed.value_or(torch::Tensor())), final_norm_(final_norm.value_or(torch::Tensor())), eps_(eps),
         head_(std::move(head)) {
-    TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
+    TORCH_CHECK(isa_ && !layers_.empty(), "a decoder needs its kernels and layers");
+    attention_.isa = isa_;
     TORCH_CHECK(!embed_.defined() || (embed_.dim() == 2 && embed_.is_contiguous()),
                 "embed must be a contiguous [vocab, hidden] table");
     TORCH_CHECK(!head_ || (final_norm_.defined() && head_->is_weight_only() && is_weight_only_),
@@ -656,7 +659,7 @@ class PagedDecoder {
       TORCH_CHECK(!logit_rows.has_value(), "the head runs inside the step only with weight-only layers");
       for (size_t i = 0; i < layers_.size(); ++i)
         h = layer_forward_paged(*layers_[i], static_cast<int>(i), h, cos, sin, attention_, is_batch_invariant);
-      return final_norm_.defined() ? rms_norm(h, final_norm_, eps_) : h;
+      return final_norm_.defined() ? rms_norm(isa_, h, final_norm_, eps_) : h;
     }
     if (!logit_rows.has_value())
       return decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, nullptr, torch::Tensor());
@@ -665,7 +668,7 @@ class PagedDecoder {
     TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) >= 1, "logit_rows: [n] int64");
     const int64_t* r = rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < num_tokens, "logit row out of range");
-    return to_float(decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, head_.get(), rows));
+    return to_float(*isa_, decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, head_.get(), rows));
   }
 
  private:
@@ -690,6 +693,7 @@ class PagedDecoder {
     pool_sizes_ = k_blocks.sizes().vec();
   }
 
+  fastdraft::IsaPtr isa_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
   bool is_weight_only_;
   torch::Tensor embed_, final_norm_;  // [vocab, hidden], [hidden]; either may be undefined
@@ -708,8 +712,8 @@ class PagedDecoder {
 void bind_decoder(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear");
-  m.def("dense_linear", &dense_linear, py::arg("weight"), py::arg("bias"), py::arg("min_rows"));
-  m.def("woq_linear_op", &woq_linear_op, py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bits"),
+  m.def("dense_linear", &dense_linear, py::arg("isa"), py::arg("weight"), py::arg("bias"), py::arg("min_rows"));
+  m.def("woq_linear_op", &woq_linear_op, py::arg("isa"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bits"),
         py::arg("out_features"), py::arg("k_pad"), py::arg("block"), py::arg("group"), py::arg("zero_const"),
         py::arg("bias"));
   m.def("concat_linear", [](std::vector<std::shared_ptr<Linear>> parts) {
@@ -733,9 +737,9 @@ void bind_decoder(pybind11::module& m) {
   m.def("decoder_is_weight_only", &is_all_weight_only, "whether every projection of these layers is weight-only",
         py::arg("layers"));
   py::class_<PagedDecoder, std::shared_ptr<PagedDecoder>>(m, "PagedDecoder")
-      .def(py::init<std::vector<std::shared_ptr<DecoderLayer>>, c10::optional<torch::Tensor>,
+      .def(py::init<fastdraft::IsaPtr, std::vector<std::shared_ptr<DecoderLayer>>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, double, std::shared_ptr<Linear>>(),
-           py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
+           py::arg("isa"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
       .def_property_readonly("has_embedding", &PagedDecoder::has_embedding)
       .def("forward", &PagedDecoder::forward, "a flat batch over a paged KV pool, token ids to the final norm or logits",
            py::arg("ids"), py::arg("hidden"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),

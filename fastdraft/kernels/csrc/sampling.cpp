@@ -4,7 +4,7 @@
 // fastdraft/layers/sampler.py (torch.argmax in greedy_ids, reference_sample_from_probs) and
 // fastdraft/spec/rejection_sampler.py (verify_sampled).
 #include <torch/extension.h>
-#include <immintrin.h>
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,9 +16,8 @@
 namespace {
 
 // The index of each row's largest value, as torch.argmax gives it: the first on ties, and the
-// first NaN if a row has one. x [rows, n] fp32 -> [rows] int64. One pass per row while no NaN
-// shows up, then a second over the (cached) row for the first index holding the maximum.
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+// first NaN if a row has one. x [rows, n] fp32 -> [rows] int64.
+torch::Tensor argmax_rows(const fastdraft::IsaPtr& isa, const torch::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat && x.size(-1) >= 1, "argmax_rows takes fp32 rows");
   const auto xc = x.contiguous();
   const int64_t n = xc.size(-1), rows = xc.numel() / n;
@@ -27,33 +26,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   auto out = torch::empty(sizes, xc.options().dtype(torch::kLong));
   int64_t* result = out.data_ptr<int64_t>();
   const float* x_data = xc.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x_data + r * n;
-    int64_t found = -1;
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t i = 0;
-    for (; i + 16 <= n && found < 0; i += 16) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      if (is_nan) found = i + __builtin_ctz(is_nan);
-      vmax = _mm512_max_ps(vmax, v);
-    }
-    float best = _mm512_reduce_max_ps(vmax);
-    for (; i < n && found < 0; ++i) {
-      if (std::isnan(row[i])) found = i;
-      else best = std::max(best, row[i]);
-    }
-    if (found < 0) {
-      const __m512 vbest = _mm512_set1_ps(best);
-      for (i = 0; i + 16 <= n && found < 0; i += 16) {
-        const __mmask16 is_best = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), vbest, _CMP_EQ_OQ);
-        if (is_best) found = i + __builtin_ctz(is_best);
-      }
-      for (; i < n && found < 0; ++i)
-        if (row[i] == best) found = i;
-    }
-    result[r] = found;
-  }
+  for (int64_t r = 0; r < rows; ++r) result[r] = isa->table->argmax(x_data + r * n, n);
   return out;
 }
 
@@ -64,25 +37,9 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 constexpr int64_t kCdfBlock = 128;
 
 // Fills block_cdf with the row's running block sums; returns the row total.
-double block_cdf_of(const float* row, int64_t n, std::vector<double>& block_cdf) {
-  const int64_t num_blocks = (n + kCdfBlock - 1) / kCdfBlock;
-  block_cdf.resize(num_blocks);
-  double total = 0.0;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* p = row + b * kCdfBlock;
-    const int64_t len = std::min(kCdfBlock, n - b * kCdfBlock);
-    int64_t j = 0;
-    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
-    for (; j + 16 <= len; j += 16) {
-      acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm256_loadu_ps(p + j)));
-      acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_loadu_ps(p + j + 8)));
-    }
-    double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
-    for (; j < len; ++j) sum += p[j];
-    total += sum;
-    block_cdf[b] = total;
-  }
-  return total;
+double block_cdf_of(const fastdraft::Isa& isa, const float* row, int64_t n, std::vector<double>& block_cdf) {
+  block_cdf.resize((n + kCdfBlock - 1) / kCdfBlock);
+  return isa.table->block_cdf(row, n, kCdfBlock, block_cdf.data());
 }
 
 // The draw for u from a row whose block_cdf_of gave block_cdf and total (> 0).
@@ -113,13 +70,13 @@ int64_t search_cdf(const float* row, int64_t n, double u, double total, const st
   return b * kCdfBlock + chosen;
 }
 
-int64_t sample_row(const float* row, int64_t n, double u, std::vector<double>& block_cdf) {
-  const double total = block_cdf_of(row, n, block_cdf);
+int64_t sample_row(const fastdraft::Isa& isa, const float* row, int64_t n, double u, std::vector<double>& block_cdf) {
+  const double total = block_cdf_of(isa, row, n, block_cdf);
   return search_cdf(row, n, u, total, block_cdf);
 }
 
 // One draw per row of probs [rows, n] fp32 with uniform [rows] float64 (sample_row).
-torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& uniform) {
+torch::Tensor sample_rows(const fastdraft::IsaPtr& isa, const torch::Tensor& probs, const torch::Tensor& uniform) {
   TORCH_CHECK(probs.dim() >= 1 && probs.scalar_type() == torch::kFloat && probs.size(-1) >= 1,
               "sample_rows takes fp32 probabilities");
   const auto pc = probs.contiguous();
@@ -133,7 +90,7 @@ torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& unifo
   const float* p = pc.data_ptr<float>();
   const double* u = uc.data_ptr<double>();
   std::vector<double> block_cdf;
-  for (int64_t r = 0; r < rows; ++r) result[r] = sample_row(p + r * n, n, u[r], block_cdf);
+  for (int64_t r = 0; r < rows; ++r) result[r] = sample_row(*isa, p + r * n, n, u[r], block_cdf);
   return out;
 }
 
@@ -142,7 +99,7 @@ torch::Tensor sample_rows(const torch::Tensor& probs, const torch::Tensor& unifo
 // [draft_vocab] (sorted; undefined: column i is token i); target_probs [k + 1, vocab] fp32;
 // accept_uniform [k] fp32 and extra_uniform [1] float64, drawn by the caller as the twin draws
 // them. Returns (number accepted, the recovered or bonus token).
-std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, const torch::Tensor& draft_probs,
+std::pair<int64_t, int64_t> rejection_sample(const fastdraft::IsaPtr& isa, const torch::Tensor& draft_ids, const torch::Tensor& draft_probs,
                                              const c10::optional<torch::Tensor>& draft_vocab_ids,
                                              const torch::Tensor& target_probs, const torch::Tensor& accept_uniform,
                                              const torch::Tensor& extra_uniform) {
@@ -187,7 +144,7 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
   std::vector<double> block_cdf;
   const double u = extra_uniform.data_ptr<double>()[0];
   const float* target_row = t + num_accepted * vocab;
-  if (num_accepted == k) return {num_accepted, sample_row(target_row, vocab, u, block_cdf)};
+  if (num_accepted == k) return {num_accepted, sample_row(*isa, target_row, vocab, u, block_cdf)};
   // The recovered token: from max(0, target - draft), unnormalized (the draw scales by its sum).
   std::vector<float> residual(target_row, target_row + vocab);
   const float* draft_row = d + num_accepted * draft_vocab;
@@ -196,8 +153,8 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
     residual[token] = std::max(residual[token] - draft_row[j], 0.0f);
   }
   // No mass left only if the distributions are equal, where rejection has probability 0.
-  const double residual_total = block_cdf_of(residual.data(), vocab, block_cdf);
-  if (!(residual_total > 0.0)) return {num_accepted, sample_row(target_row, vocab, u, block_cdf)};
+  const double residual_total = block_cdf_of(*isa, residual.data(), vocab, block_cdf);
+  if (!(residual_total > 0.0)) return {num_accepted, sample_row(*isa, target_row, vocab, u, block_cdf)};
   return {num_accepted, search_cdf(residual.data(), vocab, u, residual_total, block_cdf)};
 }
 
@@ -206,10 +163,10 @@ std::pair<int64_t, int64_t> rejection_sample(const torch::Tensor& draft_ids, con
 void bind_sampling(pybind11::module& m) {
   namespace py = pybind11;
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or NaN), as torch.argmax",
-        py::arg("x"));
-  m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row of probabilities", py::arg("probs"),
+        py::arg("isa"), py::arg("x"));
+  m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row of probabilities", py::arg("isa"), py::arg("probs"),
         py::arg("uniform"));
   m.def("rejection_sample", &rejection_sample, "(number of draft tokens accepted, recovered or bonus token)",
-        py::arg("draft_ids"), py::arg("draft_probs"), py::arg("draft_vocab_ids"), py::arg("target_probs"),
+        py::arg("isa"), py::arg("draft_ids"), py::arg("draft_probs"), py::arg("draft_vocab_ids"), py::arg("target_probs"),
         py::arg("accept_uniform"), py::arg("extra_uniform"));
 }

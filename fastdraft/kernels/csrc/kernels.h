@@ -1,15 +1,33 @@
-// The kernels' pieces that the fused decoder (decoder_x86.cpp) drives from inside its own
-// parallel region: each op is split into a serial setup, work that any thread may run on any
-// sub-range, and (for attention) a finish. The public ops (woq_linear, paged_attention) are
-// these pieces run under at::parallel_for.
+// The driver's pieces that the fused decoder (decoder.cpp) drives from inside its own parallel
+// region: each op is split into a serial setup, work that any thread may run on any sub-range,
+// and (for attention) a finish. The public ops (woq_linear, paged_attention) are these pieces
+// run under at::parallel_for. The driver is built with no ISA flags: every leaf kernel is
+// called through the KernelTable of the variant in use (isa/kernel_table.h, isa.cpp).
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "isa/kernel_table.h"
+
 namespace fastdraft {
+
+// One loaded instruction-set variant (isa.cpp::load_isa): its kernel table, valid for the
+// life of the process (variant libraries are never unloaded).
+struct Isa {
+  const KernelTable* table = nullptr;
+  std::string path;
+};
+using IsaPtr = std::shared_ptr<Isa>;
+
+// The element type of a float32 or bfloat16 tensor, as the kernel table takes it.
+inline int32_t elem_type(const torch::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? kElemFloat32 : kElemBFloat16;
+}
 
 // Activations of one weight-only matmul, quantized to int8 per block (woq_x86.cpp).
 struct Activations {
@@ -22,82 +40,77 @@ struct Activations {
   bool matches(int64_t k_pad_, int64_t block_, int64_t group_) const {
     return k_pad == k_pad_ && block == block_ && group == group_;
   }
+  Activations8 view() const {
+    return Activations8{const_cast<int8_t*>(q.data()), const_cast<float*>(scale.data()),
+                        const_cast<float*>(corr.data()), const_cast<int32_t*>(qsum.data()),
+                        rows, k_pad, block, group, num_blocks, num_groups};
+  }
 };
 
-// One repacked INT4/INT6/INT8 weight (layout: fastdraft/kernels/x86.py::repack).
+// One repacked INT4/INT6/INT8 weight in its variant's layout (fastdraft/kernels/x86.py::repack
+// with the variant's tile_rows), and the variant whose kernels run it.
 struct WoqWeight {
   torch::Tensor packed, scales, zeros;  // zeros undefined or empty: constant zero point
   int64_t bits = 0, out_features = 0, k_pad = 0, block = 0, group = 0;
   double zero_const = 0.0;
+  IsaPtr isa;
 
-  int64_t num_tiles() const { return (out_features + 15) / 16; }
+  int64_t tile_rows() const { return isa->table->tile_rows; }
+  int64_t num_tiles() const { return (out_features + tile_rows() - 1) / tile_rows(); }
   int64_t num_groups() const { return k_pad / group; }
-  int64_t tile_bytes() const { return k_pad * bits / 8 * 16; }
+  int64_t tile_bytes() const { return k_pad * bits / 8 * tile_rows(); }
   const uint8_t* tile(int64_t t) const { return packed.data_ptr<uint8_t>() + t * tile_bytes(); }
 };
 
-// Whether the CPU is AMD's: a few prefetch choices differ there (woq_x86.cpp, attention_x86.cpp).
-inline bool is_amd_cpu() {
-  static const bool is_amd = __builtin_cpu_is("amd");
-  return is_amd;
-}
-
-// Whether the CPU has AVX512-BF16 (vdpbf16ps): the attention and the dense bf16 matmul use it.
-inline bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
-// Dense bf16 weights (woq_x86.cpp): whether the kernel takes x [M, K], W [N, K] and bias (may be
-// undefined) at any M (supports) and at the few rows where it is the fastest kernel (applies);
-// and x W^T (+ bias, added in fp32) as bf16 [M, N], each row computed the same way whatever M.
-bool dense_bf16_supports(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
-bool dense_bf16_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
-torch::Tensor dense_bf16_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
+// Dense bf16 weights (woq.cpp), where the variant has the kernel: whether it takes x [M, K],
+// W [N, K] and bias (may be undefined) at any M (supports) and at the few rows where it is the
+// fastest kernel (applies); and x W^T (+ bias, added in fp32) as bf16 [M, N], each row computed
+// the same way whatever M.
+bool dense_bf16_supports(const Isa& isa, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
+bool dense_bf16_applies(const Isa& isa, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias);
+torch::Tensor dense_bf16_linear(const Isa& isa, const torch::Tensor& x, const torch::Tensor& w,
+                                const torch::Tensor& bias);
 
 // TORCH_CHECKs the weight's dtypes, layout and sizes.
 void check_woq_weight(const WoqWeight& w);
 // x [M, K <= k_pad] (float32 or bfloat16, contiguous) -> a.
-void quantize_activations(const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group, Activations& a);
+void quantize_activations(const Isa& isa, const torch::Tensor& x, int64_t k_pad, int64_t block, int64_t group,
+                          Activations& a);
 // The same in pieces, for threads that each quantize their own columns: size a for M rows,
 // then fill columns [c0, c1) of x (multiples of the group; c1 may be k_pad, past K).
 void size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a);
-void quantize_activation_columns(const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
-// A weight and the output columns it writes, as raw pointers resolved once (woq_tiles_args):
-// resolving them from the tensors on every claimed chunk costs ~2.5% of a 1.5B decode step.
+void quantize_activation_columns(const Isa& isa, const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
+// A weight and the output columns it writes, as the kernel table takes them, resolved once
+// (woq_tiles_args): resolving them from the tensors on every claimed chunk costs ~2.5% of a
+// 1.5B decode step.
 struct WoqTilesArgs {
-  const uint8_t* packed = nullptr;
-  const at::Half* scales = nullptr;
-  const uint8_t* zeros_u8 = nullptr;  // at most one of the zeros is set (asymmetric weights)
-  const at::Half* zeros_f16 = nullptr;
-  float zero_const = 0.0f;
-  int64_t bits = 0, out_features = 0, ldo = 0;
-  void* out = nullptr;  // out + col0, float or bfloat16
-  bool is_float_out = false;
+  WoqView view{};
+  const KernelTable* table = nullptr;
 };
 // w writing out [M, ldo] (x's dtype) from column col0 on.
 WoqTilesArgs woq_tiles_args(const WoqWeight& w, const torch::Tensor& out, int64_t col0);
-// Output tiles [t0, t1) (16 columns each) of y = x W^T, written at column col0 + 16 t. Every
-// tile's arithmetic is the same whichever thread runs it.
+// Output tiles [t0, t1) (tile_rows columns each) of y = x W^T. Every tile's arithmetic is the
+// same whichever thread runs it.
 void woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_t t0, int64_t t1);
 
 // x[:, col0 + b0 : col0 + b1] += bias[b0 : b1] in place (b1 < 0: to the end), rounded to
 // x's dtype as torch's add is.
-void add_bias(const torch::Tensor& x, int64_t col0, const torch::Tensor& bias, int64_t b0 = 0, int64_t b1 = -1);
+void add_bias(const Isa& isa, const torch::Tensor& x, int64_t col0, const torch::Tensor& bias, int64_t b0 = 0,
+              int64_t b1 = -1);
 
 // Column-range versions of the decoder's elementwise ops, so that every thread of the fused
 // decoder's region can run its own share of columns: each gives, on its columns, exactly the
 // values the whole op gives. All tensors are contiguous [M, N] of one dtype (float32/bfloat16).
 // out[:, c0:c1] = a + b.
-void add_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, int64_t c0, int64_t c1);
+void add_columns(const Isa& isa, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& out, int64_t c0, int64_t c1);
 // out[:, c0:c1] = rms_norm(s)[:, c0:c1] with s = a + b rounded (b undefined: s = a); the sum
 // of squares is taken over whole rows, so any split gives rms_norm(a + b). When sum_out is
 // defined, sum_out[:, c0:c1] = s (the residual stream).
-void residual_rms_norm_columns(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& weight,
+void residual_rms_norm_columns(const Isa& isa, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& weight,
                                double eps, const torch::Tensor& sum_out, const torch::Tensor& out, int64_t c0,
                                int64_t c1);
 // out [M, N] columns [c0, c1) of silu_and_mul(x), x [M, 2N] = [gate | up].
-void silu_and_mul_columns(const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
+void silu_and_mul_columns(const Isa& isa, const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
 
 // Paged attention (attention_x86.cpp::paged_attention) as plan -> q -> items -> finish, for a
 // flat batch of sequences over one layer's blocks [num_blocks, kv_heads, block_size, D].
@@ -105,6 +118,7 @@ struct PagedItem {
   int64_t seq, kv_head, split, row0, rows, partial;  // rows from row0 on; partials at `partial`
 };
 struct PagedAttentionPlan {
+  IsaPtr isa;
   torch::Tensor k_blocks, v_blocks, block_tables, query_start_loc, context_lens;
   torch::Tensor q_rows;  // [T * heads * D] in q's dtype: each (sequence, kv head)'s rows, token-major
   torch::Tensor qf;      // the same, fp32 and scaled, where bf16 dot products do not apply
@@ -119,7 +133,7 @@ struct PagedAttentionPlan {
   int64_t q_offset(int64_t t, int64_t g) const;
 };
 // Checks the inputs and lays out the items; q_rows is (re)sized for dtype.
-void paged_attention_replan(PagedAttentionPlan& p, at::ScalarType dtype, int64_t heads, const torch::Tensor& k_blocks,
+void paged_attention_replan(PagedAttentionPlan& p, const IsaPtr& isa, at::ScalarType dtype, int64_t heads, const torch::Tensor& k_blocks,
                             const torch::Tensor& v_blocks, const torch::Tensor& block_tables,
                             const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale);
 // Once kv heads [g0, g1)'s q rows are in q_rows: their fp32 scaled copy (fp32 path only).

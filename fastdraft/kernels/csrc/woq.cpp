@@ -1,0 +1,273 @@
+// Weight-only INT4/INT6/INT8 matmuls: the driver side. Activations are quantized to int8 per
+// block, the weight's tiles are split between threads, and every tile runs the variant's
+// kernel (kernel_table.h::woq_tiles; layout: fastdraft/kernels/x86.py::repack). Each output
+// row follows the same sequence of operations whatever the number of rows in the call, so
+// results are row-invariant. Plain PyTorch twin: fastdraft/kernels/x86.py::reference_woq_matmul.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using fastdraft::Activations;
+using fastdraft::Isa;
+
+// Dense bf16 rows the dense kernel serves outside batch-invariant mode: past them oneDNN wins.
+constexpr int64_t kDenseMaxRows = 8;
+
+}  // namespace
+
+bool fastdraft::dense_bf16_supports(const Isa& isa, const torch::Tensor& x, const torch::Tensor& w,
+                                    const torch::Tensor& bias) {
+  return isa.table->dense_bf16_rows != nullptr && isa.table->has_bf16_dot() && x.scalar_type() == at::kBFloat16 &&
+         w.scalar_type() == at::kBFloat16 && x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 && x.size(1) % 32 == 0 &&
+         w.size(1) == x.size(1) && w.is_contiguous() && !x.is_cuda() && !w.is_cuda() &&
+         (!bias.defined() || (bias.scalar_type() == at::kBFloat16 && bias.numel() == w.size(0)));
+}
+
+bool fastdraft::dense_bf16_applies(const Isa& isa, const torch::Tensor& x, const torch::Tensor& w,
+                                   const torch::Tensor& bias) {
+  return dense_bf16_supports(isa, x, w, bias) && x.size(0) <= kDenseMaxRows;
+}
+
+// Up to kDenseMaxRows rows: blocks of weight rows split between threads. More rows
+// (batch-invariant mode): x is taken in blocks of rows that stay in L2, each weight block meets
+// them 6 at a time while it is in L1, and every output is computed exactly as at M <= 8.
+torch::Tensor fastdraft::dense_bf16_linear(const Isa& isa, const torch::Tensor& x_in, const torch::Tensor& w,
+                                           const torch::Tensor& bias) {
+  TORCH_CHECK(dense_bf16_supports(isa, x_in, w, bias), "dense_bf16_linear: x [M, K % 32 == 0], W [N, K] and bias "
+                                                      "[N], all bf16, W contiguous, on a CPU with AVX512-BF16");
+  const auto x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  torch::Tensor bias_f;
+  if (bias.defined()) bias_f = bias.to(at::kFloat).contiguous();
+  auto out = torch::empty({m, n}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto rows_kernel = isa.table->dense_bf16_rows;
+  if (m <= kDenseMaxRows) {
+    at::parallel_for(0, (n + 7) / 8, 8, [&](int64_t b0, int64_t b1) {
+      rows_kernel(wp, k, xp, m, bp, op, n, b0 * 8, std::min(n, b1 * 8));
+    });
+    return out;
+  }
+  constexpr int64_t kRowBlock = 4, kXRows = 6, kXBlockBytes = 384 * 1024;
+  const int64_t m_block = std::max<int64_t>(kXRows, kXBlockBytes / (2 * k) / kXRows * kXRows);
+  for (int64_t mb = 0; mb < m; mb += m_block) {
+    const int64_t mb_end = std::min(m, mb + m_block);
+    at::parallel_for(0, (n + kRowBlock - 1) / kRowBlock, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t m0 = mb; m0 < mb_end; m0 += kXRows)
+          rows_kernel(wp, k, xp + m0 * k, std::min(kXRows, mb_end - m0), bp, op + m0 * n, n, b * kRowBlock,
+                      std::min(n, (b + 1) * kRowBlock));
+    });
+  }
+  return out;
+}
+
+void fastdraft::check_woq_weight(const WoqWeight& w) {
+  const torch::Tensor &packed = w.packed, &scales = w.scales, &zeros = w.zeros;
+  const int64_t bits = w.bits, k_pad = w.k_pad, block = w.block, group = w.group;
+  TORCH_CHECK(w.isa && w.isa->table, "a weight needs the kernels it runs on");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+  TORCH_CHECK(block == 16 || block == 32 || block == 64 || block == 128, "block must be 16, 32, 64 or 128");
+  TORCH_CHECK(group % block == 0 && k_pad % group == 0, "group must be a multiple of block dividing k_pad");
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.numel() == w.num_tiles() * w.tile_bytes(),
+              "packed weight has the wrong dtype, layout or size for ", w.isa->table->name, "'s tiles of ",
+              w.tile_rows(), " rows");
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == w.num_tiles() * w.num_groups() * w.tile_rows(),
+              "scales have the wrong dtype, layout or size");
+  TORCH_CHECK(!zeros.defined() || zeros.numel() == 0 ||
+                  ((zeros.dtype() == at::kByte || zeros.dtype() == at::kHalf) && zeros.is_contiguous() &&
+                   zeros.numel() == scales.numel()),
+              "zeros have the wrong dtype, layout or size");
+}
+
+void fastdraft::size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a) {
+  a.rows = m;
+  a.k_pad = k_pad;
+  a.block = block;
+  a.group = group;
+  a.num_blocks = k_pad / block;
+  a.num_groups = k_pad / group;
+  a.q.resize(m * k_pad);
+  a.scale.resize(m * a.num_blocks);
+  a.corr.resize(m * a.num_groups);
+  a.qsum.resize(m * a.num_blocks);
+}
+
+void fastdraft::quantize_activation_columns(const Isa& isa, const torch::Tensor& x, int64_t c0, int64_t c1,
+                                            Activations& a) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t b0 = c0 / a.block, b1 = std::min(c1, a.k_pad) / a.block;
+  const Activations8 view = a.view();
+  const int32_t type = elem_type(x);
+  const char* base = static_cast<const char*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r) isa.table->quantize_row(type, base + r * k * x.element_size(), k, &view, r, b0, b1);
+}
+
+void fastdraft::quantize_activations(const Isa& isa, const torch::Tensor& x, int64_t k_pad, int64_t block,
+                                     int64_t group, Activations& a) {
+  const int64_t m = x.size(0), k = x.size(1);
+  size_activations(m, k_pad, block, group, a);
+  const Activations8 view = a.view();
+  const int32_t type = elem_type(x);
+  const char* base = static_cast<const char*>(x.data_ptr());
+  auto run = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      isa.table->quantize_row(type, base + r * k * x.element_size(), k, &view, r, 0, a.num_blocks);
+  };
+  if (m >= 16) at::parallel_for(0, m, 4, run); else run(0, m);
+}
+
+fastdraft::WoqTilesArgs fastdraft::woq_tiles_args(const WoqWeight& w, const torch::Tensor& out, int64_t col0) {
+  WoqTilesArgs args;
+  WoqView& v = args.view;
+  v.packed = w.packed.data_ptr<uint8_t>();
+  v.scales = reinterpret_cast<const uint16_t*>(w.scales.data_ptr<at::Half>());
+  if (w.zeros.defined() && w.zeros.numel() > 0) {
+    if (w.zeros.scalar_type() == at::kHalf) v.zeros_f16 = reinterpret_cast<const uint16_t*>(w.zeros.data_ptr<at::Half>());
+    else v.zeros_u8 = w.zeros.data_ptr<uint8_t>();
+  }
+  v.zero_const = static_cast<float>(w.zero_const);
+  v.bits = w.bits, v.out_features = w.out_features, v.k_pad = w.k_pad, v.block = w.block, v.group = w.group;
+  if (out.defined()) {
+    v.ldo = out.size(1);
+    v.out_type = elem_type(out);
+    v.out = static_cast<char*>(out.data_ptr()) + col0 * out.element_size();
+  }
+  args.table = w.isa->table;
+  return args;
+}
+
+void fastdraft::woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_t t0, int64_t t1) {
+  const Activations8 view = a.view();
+  args.table->woq_tiles(&args.view, &view, t0, t1);
+}
+
+namespace {
+
+fastdraft::WoqWeight woq_weight(const fastdraft::IsaPtr& isa, torch::Tensor packed, torch::Tensor scales,
+                                torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block,
+                                int64_t group, double zero_const) {
+  fastdraft::WoqWeight w{packed, scales, zeros, bits, n, k_pad, block, group, zero_const, isa};
+  fastdraft::check_woq_weight(w);
+  return w;
+}
+
+void check_activations(const torch::Tensor& x, int64_t k_pad) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= k_pad, "x must be [M, K] with K <= k_pad");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W^T for a repacked INT4/INT6/INT8 weight; x is float32 or bfloat16.
+torch::Tensor woq_linear(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                         torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,
+                         double zero_const) {
+  const auto w = woq_weight(isa, packed, scales, zeros, bits, n, k_pad, block, group, zero_const);
+  check_activations(x, k_pad);
+  x = x.contiguous();
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  Activations a;
+  fastdraft::quantize_activations(*isa, x, k_pad, block, group, a);
+  const fastdraft::WoqTilesArgs args = fastdraft::woq_tiles_args(w, out, 0);
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) { fastdraft::woq_tiles(args, a, t0, t1); });
+  return out;
+}
+
+// The exact int32 block sums of x's int8 activations against the weight (kernel_table.h::
+// woq_block_sums): [M, num_tiles * tile_rows, num_blocks]. A test entry point: the variants'
+// integer arithmetic is compared bit for bit through it.
+torch::Tensor woq_block_sums(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                             torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,
+                             double zero_const) {
+  const auto w = woq_weight(isa, packed, scales, zeros, bits, n, k_pad, block, group, zero_const);
+  check_activations(x, k_pad);
+  x = x.contiguous();
+  Activations a;
+  fastdraft::quantize_activations(*isa, x, k_pad, block, group, a);
+  const fastdraft::WoqTilesArgs args = fastdraft::woq_tiles_args(w, torch::Tensor(), 0);
+  const fastdraft::Activations8 view = a.view();
+  const int64_t tile = w.tile_rows(), num_tiles = w.num_tiles(), m = x.size(0);
+  auto sums = torch::empty({num_tiles, m, a.num_blocks, tile}, x.options().dtype(at::kInt));
+  for (int64_t t = 0; t < num_tiles; ++t) isa->table->woq_block_sums(&args.view, &view, t, sums[t].data_ptr<int32_t>());
+  return sums.permute({1, 0, 3, 2}).reshape({m, num_tiles * tile, a.num_blocks});
+}
+
+// The dense [N, K] weight (float32 or bfloat16) of a repacked INT4/INT6/INT8 weight: the large-M
+// (prefill) path dequantizes once and runs a oneDNN GEMM (AMX-BF16 where the CPU has it).
+torch::Tensor woq_dequantize(const fastdraft::IsaPtr& isa, torch::Tensor packed, torch::Tensor scales,
+                             torch::Tensor zeros, int64_t bits, int64_t n, int64_t k, int64_t k_pad, int64_t block,
+                             int64_t group, double zero_const, at::ScalarType dtype) {
+  const auto w = woq_weight(isa, packed, scales, zeros, bits, n, k_pad, block, group, zero_const);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  TORCH_CHECK(k <= k_pad, "k must be <= k_pad");
+  auto out = torch::empty({n, k}, packed.options().dtype(dtype));
+  const fastdraft::WoqTilesArgs args = fastdraft::woq_tiles_args(w, torch::Tensor(), 0);
+  const int64_t tile = w.tile_rows();
+  const int32_t type = fastdraft::elem_type(out);
+  at::parallel_for(0, w.num_tiles(), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      isa->table->dequant_tile(&args.view, t, k, type, static_cast<char*>(out.data_ptr()) + t * tile * k * out.element_size());
+  });
+  return out;
+}
+
+// fused.cpp
+torch::Tensor rms_norm(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(const fastdraft::IsaPtr& isa, torch::Tensor x);
+torch::Tensor rotary(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                     int64_t heads, int64_t head_dim);
+// attention.cpp
+torch::Tensor paged_attention(const fastdraft::IsaPtr& isa, torch::Tensor q, torch::Tensor k_blocks,
+                              torch::Tensor v_blocks, torch::Tensor block_tables, torch::Tensor query_start_loc,
+                              torch::Tensor context_lens, double scale);
+// isa.cpp, decoder.cpp, sampling.cpp
+void bind_isa(pybind11::module& m);
+void bind_decoder(pybind11::module& m);
+void bind_sampling(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_isa(m);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim", py::arg("isa"), py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [M, 2N] = [gate | up] tensor", py::arg("isa"),
+        py::arg("x"));
+  m.def("paged_attention", &paged_attention, "attention of a flat batch of sequences over a paged KV pool",
+        py::arg("isa"), py::arg("q"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"));
+  m.def("rotary", &rotary, "rotary embedding (rotate-half convention) of [T, heads * head_dim] rows", py::arg("isa"),
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"));
+  m.def("dense_bf16_applies", [](const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor w,
+                                 c10::optional<torch::Tensor> bias) {
+    return fastdraft::dense_bf16_applies(*isa, x, w, bias ? *bias : torch::Tensor());
+  }, "whether dense_bf16_linear takes these x, W and bias", py::arg("isa"), py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("dense_bf16_supports", [](const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor w,
+                                  c10::optional<torch::Tensor> bias) {
+    return fastdraft::dense_bf16_supports(*isa, x, w, bias ? *bias : torch::Tensor());
+  }, "whether dense_bf16_linear takes these x, W and bias at any row count", py::arg("isa"), py::arg("x"),
+        py::arg("weight"), py::arg("bias") = py::none());
+  m.def("dense_bf16_linear", [](const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor w,
+                                c10::optional<torch::Tensor> bias) {
+    return fastdraft::dense_bf16_linear(*isa, x, w, bias ? *bias : torch::Tensor());
+  }, "x [M, K] W^T (+ bias), dense bf16, AVX512-BF16 dot products, row-invariant at every M", py::arg("isa"),
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("woq_linear", &woq_linear, "INT4/INT6/INT8 weight-only linear");
+  m.def("woq_block_sums", &woq_block_sums, "exact int32 block sums of a weight-only matmul (tests)");
+  m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT6/INT8 weight");
+  bind_decoder(m);
+  bind_sampling(m);
+}
