@@ -106,3 +106,23 @@ def real_model_fp32(real_model_dir):
     from fastdraft.engine.loader import load_model
 
     return load_model(real_model_dir, dtype="fp32")
+
+
+def _runnable_isas() -> list[str]:
+    from fastdraft.kernels.build import load_driver, runnable_isas
+
+    return runnable_isas() if load_driver() is not None else ["none"]
+
+
+@pytest.fixture(params=_runnable_isas())
+def each_isa(request, monkeypatch) -> str:
+    """Runs a test once per instruction-set variant this CPU runs, that variant forced through
+    FASTDRAFT_ISA (once with PyTorch's kernels where the C++ kernels cannot build)."""
+    from fastdraft.kernels.build import ISA_ENV, load_cpu_kernels
+
+    if request.param != "none":
+        monkeypatch.setenv(ISA_ENV, request.param)
+    load_cpu_kernels.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    load_cpu_kernels.cache_clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -176,19 +177,60 @@ def test_quantize_checks_its_output_before_quantizing(capsys, monkeypatch, tmp_p
 
 
 def test_info_names_the_cpu_kernels_threads_and_versions(capsys, monkeypatch):
-    from fastdraft.kernels.build import KERNEL_VARIANT, cache_dir, cpu_model, load_cpu_kernels
+    from fastdraft.kernels.build import cache_dir, cpu_model, load_cpu_kernels, runnable_isas, select_isa
 
+    monkeypatch.delenv("FASTDRAFT_ISA", raising=False)
     assert main(["info"]) == 0
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[1:])
     assert lines["CPU"].startswith(cpu_model())
     assert lines["threads"] == str(torch.get_num_threads())
     assert lines["kernel cache"] == str(cache_dir())
     if load_cpu_kernels() is not None:
-        assert lines["kernels"] == f"{KERNEL_VARIANT}, built"
-        assert "avx512_vnni" in lines["CPU flags"].split()
+        assert lines["kernels"] == f"{select_isa()} (the best this CPU runs; built)"
+        assert lines["kernel variants this CPU runs"] == ", ".join(runnable_isas())
+        # A forced variant, and one this CPU cannot run (named, not crashed on).
+        monkeypatch.setenv("FASTDRAFT_ISA", "scalar")
+        assert main(["info"]) == 0
+        assert "kernels: scalar (FASTDRAFT_ISA; built)" in capsys.readouterr().out
+        monkeypatch.setenv("FASTDRAFT_ISA", "avx9")
+        assert main(["info"]) == 0
+        assert "kernels: none: unknown instruction-set variant 'avx9'" in capsys.readouterr().out
+        monkeypatch.delenv("FASTDRAFT_ISA")
     else:
         assert lines["kernels"].startswith("PyTorch fallback (")
     # What the kernels would say on a machine where they are off, with the reason.
     monkeypatch.setenv("FASTDRAFT_DISABLE_CPU_KERNELS", "1")
     assert main(["info"]) == 0
     assert "kernels: PyTorch fallback (disabled by FASTDRAFT_DISABLE_CPU_KERNELS)" in capsys.readouterr().out
+
+
+def test_a_variant_the_cpu_cannot_run_is_a_one_line_error(capsys, monkeypatch, llama_dir):
+    from fastdraft.kernels.build import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    monkeypatch.setenv("FASTDRAFT_ISA", "avx9")
+    load_cpu_kernels.cache_clear()
+    try:
+        assert main(["generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    finally:
+        monkeypatch.delenv("FASTDRAFT_ISA")
+        load_cpu_kernels.cache_clear()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown instruction-set variant 'avx9'" in err
+
+
+def test_verbose_logs_the_chosen_variant(caplog, monkeypatch, llama_dir):
+    from fastdraft.kernels.build import clear_caches, load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    monkeypatch.setenv("FASTDRAFT_ISA", "scalar")
+    clear_caches()
+    try:
+        with caplog.at_level(logging.INFO, logger="fastdraft.kernels.build"):
+            assert main(["-v", "generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    finally:
+        monkeypatch.delenv("FASTDRAFT_ISA")
+        clear_caches()
+    assert any(r.getMessage().startswith("CPU kernels: scalar (from FASTDRAFT_ISA;") for r in caplog.records)

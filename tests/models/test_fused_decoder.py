@@ -16,7 +16,9 @@ from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import append_pass, paged_batch
 
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="x86 kernels unavailable on this CPU")
+# The C++ step against the module path, on every instruction-set variant this CPU runs.
+pytestmark = [pytest.mark.skipif(load_cpu_kernels() is None, reason="x86 kernels unavailable on this CPU"),
+              pytest.mark.usefixtures("each_isa")]
 
 QUANTS = {
     "dense": None,
