@@ -1,7 +1,8 @@
 """A/B two builds of fastdraft's C++ CPU kernels on whole decode (or verification) steps.
 
-Each build is compiled from a folder holding the extension's sources (a copy of
-``fastdraft/kernels/csrc``, changed or not). The model is loaded and quantized once per
+Each build is compiled from a folder holding the kernels' sources (a copy of
+``fastdraft/kernels/csrc``, changed or not): its driver and its ``--isa`` variant (default:
+the one this CPU would run). The model is loaded and quantized once per
 build, each with its own one-sequence paged KV cache holding a ``--context``-token prefix;
 the builds then take turns for ``--rounds`` rounds, each timing the median of ``--steps``
 passes of ``--tokens`` tokens through the model's C++ step (``model.logits`` with its fused
@@ -22,7 +23,6 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -39,15 +39,16 @@ from fastdraft.quant.quantizer import quantize_model
 _LOADER_USERS = (x86, fused, fused_decoder)
 
 
-def build_from(folder: Path) -> ModuleType:
-    """The extension compiled from ``folder``'s copies of the kernel sources."""
+def build_from(folder: Path, isa: str) -> build.CpuKernels:
+    """The kernels compiled from ``folder``'s copies of the sources: its driver, its variant."""
     from fastdraft.models.registry import fastdraft_home
 
     key = build.source_key(folder)
-    return build.compile_extension(f"fastdraft_ab_{key}", folder, fastdraft_home() / "kernels" / f"ab-{key}")
+    driver = build.compile_extension(f"fastdraft_ab_{key}", folder, fastdraft_home() / "kernels" / f"ab-{key}")
+    return build.CpuKernels(driver, driver.load_isa(str(build.build_isa_library(isa, folder / "isa"))))
 
 
-def load_with(ext: ModuleType, args: argparse.Namespace):
+def load_with(ext: build.CpuKernels, args: argparse.Namespace):
     """The model quantized, with a fused decoder on ``ext``; -> (model, cache, decoder)."""
     for module in _LOADER_USERS:
         module.load_cpu_kernels = lambda ext=ext: ext
@@ -77,13 +78,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="cached tokens before each pass")
     parser.add_argument("--tokens", default="1,5", help="comma-separated tokens per pass (decode, verification)")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--isa", choices=build.ISA_NAMES, default=None,
+                        help="the instruction-set variant both builds run (default: this CPU's best)")
     parser.add_argument("--steps", type=int, default=15, help="passes timed per round (median)")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     is_dense = args.low_bit in ("bf16", "fp32")
     args.quant = None if is_dense else QuantConfig.from_low_bit(args.low_bit, group_size=args.group_size)
     torch.set_grad_enabled(False)
-    systems = [load_with(build_from(folder), args) for folder in (args.a, args.b)]
+    isa = args.isa or build.select_isa()
+    print(f"CPU: {build.cpu_model()}; variant {isa}")
+    systems = [load_with(build_from(folder, isa), args) for folder in (args.a, args.b)]
     times: dict[tuple[int, int], list[float]] = {(i, n): [] for i in range(2) for n in args.tokens}
     for _ in range(args.rounds):
         for n in args.tokens:

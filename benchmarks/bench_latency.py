@@ -1,5 +1,10 @@
 """Batch-1 greedy latency: fastdraft vs HF transformers vs llama.cpp, on the same prompt ids.
 
+llama.cpp runs through its Python bindings when ``llama_cpp`` imports, and through its own
+``llama-bench`` binary with ``--llama-bench PATH`` (prefill of the same number of tokens, then
+decode at that depth, in the same interleaved rounds; its figures are throughputs, so it has
+no token stream to compare).
+
 The prompt is the first ``--prompt-tokens`` tokens of the running interpreter's ``os.py``
 (tokenized with the model's own tokenizer); every system gets exactly those ids and produces
 exactly ``--new-tokens`` tokens (EOS ignored). For each system we report prefill tokens/s,
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,12 +75,14 @@ def weight_bytes_per_token(model: torch.nn.Module, embed: torch.Tensor, lm_head:
 
 @dataclass
 class System:
-    """One system under test: its token stream and the weight bytes one decode step reads."""
+    """One system under test: its token stream and the weight bytes one decode step reads.
+    ``measure``, when set, times a round itself instead (a peer's own benchmark binary)."""
 
-    stream: TokenStream
+    stream: TokenStream | None
     weight_bytes: int
     extra: dict = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    measure: Callable[[list[int], int], dict] | None = None
 
 
 def one_run(stream: TokenStream, prompt_ids: list[int], new_tokens: int) -> dict:
@@ -96,13 +105,15 @@ def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: arg
     the memory bandwidth, so each system is compared with the bandwidth of its own moment (a
     shared VM's bandwidth can swing by 2x within minutes). Medians over rounds."""
     for system in systems.values():  # warm-up: first-call allocations, kernel builds, fusion
-        for _ in system.stream(prompt_ids[:32], 4):
-            pass
+        if system.measure is None:
+            for _ in system.stream(prompt_ids[:32], 4):
+                pass
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for _ in range(args.repeats):
         for name, system in systems.items():
             bandwidth = measure_bandwidth(gib=0.5, repeats=5)
-            run = one_run(system.stream, prompt_ids, args.new_tokens)
+            run = (system.measure(prompt_ids, args.new_tokens) if system.measure is not None
+                   else one_run(system.stream, prompt_ids, args.new_tokens))
             # A second probe right after: the memory state can switch every ~10 s, so a round
             # whose two probes differ may have run in either state (or both).
             run.update(bandwidth=bandwidth, bandwidth_after=measure_bandwidth(gib=0.5, repeats=5))
@@ -189,6 +200,27 @@ def setup_llama_cpp(name: str, args: argparse.Namespace) -> System:
                 llm.eval([token])
 
     return System(stream, gguf_bytes_per_token(path), {"gguf": str(path)}, llm.close)
+
+
+def setup_llama_bench(name: str, binary: Path, threads: int) -> System:
+    """llama.cpp's ``llama-bench`` on the model's original GGUF: per round, one prefill of the
+    prompt's length (pp) and one decode of the new tokens at that depth (tg), one repetition
+    each, as llama-bench's own JSON reports them (it warms up before each test)."""
+    path = original_gguf(name)
+
+    def tokens_per_s(num_prompt: int, num_gen: int, depth: int) -> float:
+        out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", str(num_prompt), "-n",
+                              str(num_gen), "-d", str(depth), "-r", "1", "-o", "json"],
+                             capture_output=True, text=True, check=True).stdout
+        return float(json.loads(out)[0]["avg_ts"])
+
+    def measure(prompt_ids: list[int], new_tokens: int) -> dict:
+        prefill = tokens_per_s(len(prompt_ids), 0, 0)
+        decode = tokens_per_s(0, new_tokens, len(prompt_ids))
+        return {"ttft_s": len(prompt_ids) / prefill, "token_latency_s": 1 / decode, "p90_token_latency_s": 1 / decode,
+                "decode_tok_s": decode, "tokens": []}
+
+    return System(None, gguf_bytes_per_token(path), {"gguf": str(path), "binary": str(binary)}, measure=measure)
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -291,7 +323,7 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int, split_
     print()
     ours = [s for s in results if s.startswith("fastdraft") and isinstance(results[s], dict)]
     for system in ours:
-        for other in ("transformers", "llama.cpp", "fastdraft"):
+        for other in ("transformers", "llama.cpp", "llama-bench", "fastdraft"):
             if other != system and isinstance(results.get(other), dict):
                 a, b = results[system], results[other]
                 print(f"{system} vs {other}: decode {b['token_latency_s'] / a['token_latency_s']:.2f}x "
@@ -322,7 +354,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             import llama_cpp  # noqa: F401
             setups["llama.cpp"] = lambda: setup_llama_cpp(name, args)
         except ImportError as exc:  # absent, or installed without its own dependencies
-            print(f"llama_cpp is not importable ({exc}): skipping llama.cpp")
+            print(f"llama_cpp is not importable ({exc}): skipping llama.cpp's bindings")
+        if args.llama_bench is not None:
+            setups["llama-bench"] = lambda: setup_llama_bench(name, args.llama_bench, args.threads)
     results: dict[str, dict | str] = {}
     systems: dict[str, System] = {}
     for system, setup in setups.items():
@@ -365,6 +399,8 @@ def main() -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip fastdraft unquantized")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--llama-bench", type=Path, default=None,
+                        help="path of a llama-bench binary: also run llama.cpp's own benchmark on the GGUF")
     add_state_split_argument(parser)
     parser.add_argument("--json", type=Path, default=Path("bench_results/latency.json"))
     args = parser.parse_args()
@@ -381,8 +417,14 @@ def main() -> None:
     if load > 0.5:  # timings are only meaningful on an otherwise idle machine
         print(f"warning: 1-minute load average is {load:.1f} before the run; timings will be noisy")
 
+    from fastdraft.kernels.build import cpu_model, load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    isa = kernels.name if kernels is not None else "none (PyTorch's kernels)"
+    print(f"CPU: {cpu_model()}; fastdraft's kernels: {isa}; {args.threads} threads")
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    report = {"config": config, "torch": torch.__version__, "load_avg_before": load, "models": {}}
+    report = {"config": config, "torch": torch.__version__, "cpu": cpu_model(), "isa": isa,
+              "load_avg_before": load, "models": {}}
     for name in args.model or DEFAULT_MODELS:
         report["models"][name] = bench_model(name, args)
         gc.collect()

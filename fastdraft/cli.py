@@ -427,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(levelname)s %(name)s: %(message)s")
         if args.command in _MODEL_COMMANDS:  # the library leaves malloc and threads to its entry points
             configure_process(num_threads=getattr(args, "threads", None))
-            # A FASTDRAFT_ISA this CPU cannot run stops here, before any model loads; -v logs the choice.
-            from fastdraft.kernels.build import load_cpu_kernels
-            load_cpu_kernels()
+            # An unknown FASTDRAFT_ISA stops here, before any model loads (one the CPU cannot run,
+            # when the kernels load).
+            from fastdraft.kernels.build import requested_isa
+            requested_isa()
         if args.command == "pull":
             _cmd_pull(args)
         elif args.command == "info":

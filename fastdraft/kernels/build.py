@@ -150,18 +150,18 @@ def compile_extension(name: str, csrc: Path, build_dir: Path) -> ModuleType:
                               extra_ldflags=["-fopenmp", "-ldl"], build_directory=str(build_dir), verbose=False)
 
 
-def isa_library_path(name: str) -> Path:
+def isa_library_path(name: str, isa_src: Path = ISA_SRC) -> Path:
     """Where variant ``name``'s library is cached: keyed by its sources, flags and compiler."""
     variant = isa_variant(name)
-    sources = sorted(ISA_SRC.glob("*.h")) + [ISA_SRC / f"{name}.cpp", ISA_SRC / "exports.map"]
+    sources = sorted(isa_src.glob("*.h")) + [isa_src / f"{name}.cpp", isa_src / "exports.map"]
     key = _digest(sources, f"{_compiler()} {' '.join(variant.cflags)}")
     return fastdraft_home() / "kernels" / f"isa-{key}" / f"libfastdraft_{name}.so"
 
 
-def build_isa_library(name: str) -> Path:
-    """Compile variant ``name``'s leaf kernels (if not cached) and return the library's path.
-    Any x86-64 compiler builds every variant, whichever CPU it runs on."""
-    path = isa_library_path(name)
+def build_isa_library(name: str, isa_src: Path = ISA_SRC) -> Path:
+    """Compile variant ``name``'s leaf kernels from ``isa_src`` (if not cached) and return the
+    library's path. Any x86-64 compiler builds every variant, whichever CPU it runs on."""
+    path = isa_library_path(name, isa_src)
     if path.exists():
         return path
     variant = isa_variant(name)
@@ -172,7 +172,7 @@ def build_isa_library(name: str) -> Path:
     os.close(fd)
     command = [_compiler(), "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
                "-fvisibility-inlines-hidden", *variant.cflags,
-               f"-Wl,--version-script={ISA_SRC / 'exports.map'}", str(ISA_SRC / f"{name}.cpp"), "-o", tmp]
+               f"-Wl,--version-script={isa_src / 'exports.map'}", str(isa_src / f"{name}.cpp"), "-o", tmp]
     try:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
@@ -216,11 +216,22 @@ def runnable_isas(features: dict[str, bool] | None = None) -> list[str]:
     return [v.name for v in ISA_VARIANTS if all(features.get(f, False) for f in v.features)]
 
 
+def requested_isa() -> str | None:
+    """The variant ``$FASTDRAFT_ISA`` names, checked by name only (no build); None when unset."""
+    name = os.environ.get(ISA_ENV) or None
+    if name is None:
+        return None
+    try:
+        return isa_variant(name).name
+    except ValueError as exc:
+        raise ValueError(f"{ISA_ENV}: {exc}") from None
+
+
 def select_isa(features: dict[str, bool] | None = None, requested: str | None = None) -> str:
     """The variant to run: ``requested`` (default: ``$FASTDRAFT_ISA``) if given, else the best
     one the CPU runs. ValueError if the name is unknown or the CPU cannot run it."""
     if requested is None:
-        requested = os.environ.get(ISA_ENV) or None
+        requested = requested_isa()
     runnable = runnable_isas(features)
     if requested is None:
         return runnable[-1]
