@@ -51,9 +51,11 @@ K_ALIGN = 128
 AMX_LARGE_M = 160
 
 
-def default_large_m() -> int | None:
-    """Rows from which to use the dequantize + oneDNN path; None: never (no AMX-BF16 here)."""
-    return AMX_LARGE_M if {"amx_bf16", "amx_tile"} <= cpu_flags() else None
+def default_large_m(isa: str = "avx512_vnni") -> int | None:
+    """Rows from which to use the dequantize + oneDNN path; None: never. Only AMX CPUs running
+    the ``avx512_vnni`` variant take it: the crossover was measured against that variant's
+    kernel, and a forced smaller variant stands for a CPU without AMX."""
+    return AMX_LARGE_M if isa == "avx512_vnni" and {"amx_bf16", "amx_tile"} <= cpu_flags() else None
 
 
 @dataclass
@@ -192,7 +194,7 @@ class X86WoqKernel(WeightOnlyKernel):
         self.weight = repack(qw, self.ext.tile_rows)
         self.dtype = dtype
         # -1: decide from the CPU; None: VNNI at every M.
-        large_m = default_large_m() if large_m == -1 else large_m
+        large_m = default_large_m(self.ext.name) if large_m == -1 else large_m
         self.large_m = large_m if large_m is not None else 2**62
         pw = self.weight
         self._args = (pw.packed, pw.scales, pw.zeros, pw.bits, pw.out_features)

@@ -8,7 +8,9 @@
 // table, so no instruction of a variant the CPU lacks can run.
 //
 // Plain C types only: no torch headers on this side of the seam. bf16 and fp16 values travel
-// as their uint16_t bits. Every kernel is single-threaded; the driver parallelizes.
+// as their uint16_t bits. Every kernel is single-threaded; the driver parallelizes. Where a
+// comment below writes fma, the product and sum round once. Integer results are exact and the
+// same in every variant; float results may differ in the last bits between variants.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +29,7 @@ enum ElementType : int32_t { kElemFloat32 = 0, kElemBFloat16 = 1 };
 struct Activations8 {
   int8_t* q;       // [rows, k_pad]
   float* scale;    // [rows, num_blocks]: d_b
-  float* corr;     // [rows, num_groups]: sum over the group's blocks of d_b * qsum_b, in block order
+  float* corr;     // [rows, num_groups]: corr = fma(d_b, qsum_b, corr) over the group's blocks, in order
   int32_t* qsum;   // [rows, num_blocks]: sum of the block's q
   int64_t rows, k_pad, block, group, num_blocks, num_groups;
 };
@@ -40,7 +42,7 @@ struct WoqView {
   const uint8_t* zeros_u8;    // uint8 zero points, same shape as scales; or null
   const uint16_t* zeros_f16;  // fp16 (fractional) zero points; or null. Both null: zero_const
   float zero_const;           // the constant zero point: 8 (INT4), 32 (INT6), 128 (INT8)
-  int64_t bits, out_features, k_pad, block, group;
+  int64_t bits, out_features, k_pad, block, group;  // k_pad, block, group: as the activations'
   void* out;                  // output column 0 of this weight in an [rows, ldo] matrix
   int64_t ldo;
   int32_t out_type;           // ElementType of out
