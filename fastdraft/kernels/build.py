@@ -230,6 +230,7 @@ def requested_isa() -> str | None:
 def select_isa(features: dict[str, bool] | None = None, requested: str | None = None) -> str:
     """The variant to run: ``requested`` (default: ``$FASTDRAFT_ISA``) if given, else the best
     one the CPU runs. ValueError if the name is unknown or the CPU cannot run it."""
+    features = cpu_features() if features is None else features
     if requested is None:
         requested = requested_isa()
     runnable = runnable_isas(features)
@@ -237,7 +238,7 @@ def select_isa(features: dict[str, bool] | None = None, requested: str | None = 
         return runnable[-1]
     variant = isa_variant(requested)
     if variant.name not in runnable:
-        missing = [f for f in variant.features if not (features or cpu_features()).get(f, False)]
+        missing = [f for f in variant.features if not features.get(f, False)]
         raise ValueError(f"{ISA_ENV}={requested}: this CPU (or its OS) lacks {', '.join(missing)}; "
                          f"it runs {', '.join(runnable)}")
     return variant.name
@@ -262,8 +263,12 @@ class CpuKernels:
         self.tile_rows: int = isa.tile_rows
 
     def __getattr__(self, op: str) -> Any:
+        # Called once per op: the bound op is kept on the instance, so later lookups (one per
+        # fused op on the module path) find it without building a partial each time.
         fn = getattr(self.driver, op)
-        return functools.partial(fn, self.isa) if op in self._ISA_OPS else fn
+        bound = functools.partial(fn, self.isa) if op in self._ISA_OPS else fn
+        setattr(self, op, bound)
+        return bound
 
     def __repr__(self) -> str:
         return f"CpuKernels({self.name})"
@@ -289,8 +294,7 @@ def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
     variant this CPU cannot run."""
     if load_driver() is None:
         return None
-    features = cpu_features()
-    name = select_isa(features) if isa is None else select_isa(features, requested=isa)
+    name = select_isa(requested=isa)
     kernels = _load_isa(name)
     if kernels is not None and isa is None:
         _log_choice(name)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fastdraft.formats import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
-from fastdraft.kernels.build import CpuKernels, cpu_flags, load_cpu_kernels
+from fastdraft.kernels.build import CpuKernels, cpu_features, load_cpu_kernels
 from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.kernels.mode import is_batch_invariant
 
@@ -55,7 +55,8 @@ def default_large_m(isa: str = "avx512_vnni") -> int | None:
     """Rows from which to use the dequantize + oneDNN path; None: never. Only AMX CPUs running
     the ``avx512_vnni`` variant take it: the crossover was measured against that variant's
     kernel, and a forced smaller variant stands for a CPU without AMX."""
-    return AMX_LARGE_M if isa == "avx512_vnni" and {"amx_bf16", "amx_tile"} <= cpu_flags() else None
+    features = cpu_features()
+    return AMX_LARGE_M if isa == "avx512_vnni" and features.get("amx_bf16") and features.get("amx_tile") else None
 
 
 @dataclass
