@@ -44,16 +44,28 @@ class LLM:
     Requests run through the serving engine (``engine/llm_engine.py``): ``generate`` queues
     every prompt and steps until all are done, batching them over the paged KV cache. With
     ``speculative_model`` (a model of the same tokenizer, ``"self"`` or ``"ngram"``) decoding
-    requests draft and verify tokens inside those batched steps."""
+    requests draft and verify tokens inside those batched steps; ``speculative_config`` (a
+    ``SpeculativeConfig`` or the dict of its fields) sets every speculation option instead."""
 
     def __init__(self, model: str, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
                  draft_device: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, kv_cache_memory: float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, batch_invariant: bool = True) -> None:
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True,
+                 speculative_config: SpeculativeConfig | dict | None = None) -> None:
+        if speculative_config is not None and speculative_model is not None:
+            raise ValueError("give speculative_model or speculative_config, not both")
+        if isinstance(speculative_config, dict):
+            try:
+                speculative_config = SpeculativeConfig(**speculative_config)
+            except TypeError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+        elif speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, "
+                             f"got {type(speculative_config).__name__}")
         loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         self.tokenizer = loaded.tokenizer
-        spec = None
+        spec = speculative_config
         if speculative_model is not None:
             spec = SpeculativeConfig(draft=speculative_model, num_speculative_tokens=num_speculative_tokens,
                                      draft_device=draft_device)
