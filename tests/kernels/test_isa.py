@@ -8,9 +8,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+
+import fastdraft.kernels
 
 from fastdraft.formats import PER_CHANNEL, pack_int4, pack_int6, quantize, sym_zero_point, unpack_int4, unpack_int6
 from fastdraft.kernels.build import (ISA_NAMES, build_isa_library, cache_dir, load_cpu_kernels, load_driver,
@@ -51,9 +54,26 @@ def test_every_variant_builds_and_exports_only_its_table(name):
     assert [s for s in exported if not re.fullmatch(r"[0-9a-f]+|[A-Za-z]", s)] == ["fastdraft_kernel_table"]
 
 
-@pytest.mark.parametrize("name, forbidden", [("scalar", r"%[yz]mm"), ("avx2", r"%zmm|\{%k[0-7]\}|vpdpbusd")])
+@pytest.mark.parametrize("name, forbidden", [
+    ("scalar", r"%[yz]mm"),
+    ("avx2", r"%zmm|\{%k[0-7]\}|vpdpbusd"),
+    ("avx2_vnni", r"%zmm|\{%k[0-7]\}|(?<!\{vex\} )vpdpbusd"),  # AVX-VNNI's VEX form, never AVX512-VNNI's
+])
 def test_a_variant_holds_no_instruction_beyond_its_set(name, forbidden):
     assert not re.search(forbidden, _disassembly(build_isa_library(name)))
+
+
+def test_intrinsics_live_only_in_the_simd_layers():
+    """Kernel bodies are written once against the SIMD layer: no x86 intrinsic (or its types)
+    anywhere in the C++ sources but the simd_<isa>.h headers."""
+    csrc = Path(fastdraft.kernels.__file__).parent / "csrc"
+    sources = [p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp", ".cc")]
+    assert len(sources) > 10
+    offenders = [f"{p.relative_to(csrc)}:{i}" for p in sources if not p.name.startswith("simd_")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"\b_mm\d*_\w+|\b__m(128|256|512)|immintrin\.h", line)]
+    assert offenders == []
+    assert sorted(p.name for p in csrc.rglob("simd_*.h")) == ["simd_avx2.h", "simd_avx512.h"]
 
 
 def test_the_driver_holds_no_avx_instruction():
@@ -70,6 +90,8 @@ def test_the_best_variant_the_cpu_runs_is_chosen():
     assert select_isa(dict(AVX2_ONLY, avx512f=True)) == "avx2"  # AVX-512 without VNNI
     assert select_isa(AVX512) == "avx512_vnni"
     assert runnable_isas(AVX2_ONLY) == ["scalar", "avx2"]
+    assert select_isa(dict(AVX2_ONLY, avx_vnni=True)) == "avx2_vnni"  # Alder Lake, Zen 5 without AVX-512
+    assert select_isa(dict(AVX512, avx_vnni=True)) == "avx512_vnni"  # Sapphire Rapids
 
 
 def test_fastdraft_isa_forces_a_variant_or_fails_clearly(monkeypatch):
@@ -79,7 +101,7 @@ def test_fastdraft_isa_forces_a_variant_or_fails_clearly(monkeypatch):
     with pytest.raises(ValueError, match="FASTDRAFT_ISA=avx512_vnni: this CPU .* lacks avx512f, .*; it runs scalar, avx2"):
         select_isa(AVX2_ONLY)
     monkeypatch.setenv("FASTDRAFT_ISA", "avx9")
-    with pytest.raises(ValueError, match="unknown instruction-set variant 'avx9': choose one of scalar, avx2, avx512_vnni"):
+    with pytest.raises(ValueError, match="unknown instruction-set variant 'avx9': choose one of scalar, avx2, avx2_vnni, avx512_vnni"):
         select_isa(AVX512)
 
 

@@ -9,7 +9,7 @@
 //   `c += a * b` under -mfma, which it does by default), std::fma does here; every other
 //   product and sum is rounded on its own.
 // * Long fp32/fp64 sums keep 16 lanes (element i in lane i % 16) reduced as
-//   _mm512_reduce_add_ps does (reduce_add16); an AVX2 kernel gets the same order with two
+//   AVX-512's reduce-add does (reduce_add16); an AVX2 kernel gets the same order with two
 //   8-lane accumulators.
 // Bit-identical to the AVX-512 code: quantize_row, woq_tiles, woq_block_sums, dequant_tile,
 // rms_norm_row, add, scale_to_float, merge_splits, argmax, block_cdf, and rotary_row on bf16.
@@ -61,7 +61,7 @@ inline void with_type(int32_t type, Fn&& fn) {
   else fn(F32{});
 }
 
-// Sum of 16 lanes in _mm512_reduce_add_ps's order: halves, then quarters, then pairs.
+// Sum of 16 lanes in AVX-512's reduce-add order: halves, then quarters, then pairs.
 template <typename F>
 inline F reduce_add16(const F (&lanes)[16]) {
   F h8[8], h4[4];
