@@ -2,7 +2,7 @@
 
 Each build is compiled from a folder holding the kernels' sources (a copy of
 ``fastdraft/kernels/csrc``, changed or not): its driver and its ``--isa`` variant (default:
-the one this CPU would run). The model is loaded and quantized once per
+the one this CPU would run; ``--isa-b`` gives B another). The model is loaded and quantized once per
 build, each with its own one-sequence paged KV cache holding a ``--context``-token prefix;
 the builds then take turns for ``--rounds`` rounds, each timing the median of ``--steps``
 passes of ``--tokens`` tokens through the model's C++ step (``model.logits`` with its fused
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--isa", choices=build.ISA_NAMES, default=None,
                         help="the instruction-set variant both builds run (default: this CPU's best)")
+    parser.add_argument("--isa-b", choices=build.ISA_NAMES, default=None,
+                        help="build B's variant when it differs from A's (e.g. avx2 against avx2_vnni)")
     parser.add_argument("--steps", type=int, default=15, help="passes timed per round (median)")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -87,8 +89,9 @@ def main() -> None:
     args.quant = None if is_dense else QuantConfig.from_low_bit(args.low_bit, group_size=args.group_size)
     torch.set_grad_enabled(False)
     isa = args.isa or build.select_isa()
-    print(f"CPU: {build.cpu_model()}; variant {isa}")
-    systems = [load_with(build_from(folder, isa), args) for folder in (args.a, args.b)]
+    isa_b = args.isa_b or isa
+    print(f"CPU: {build.cpu_model()}; variant {isa}" + (f" (B: {isa_b})" if isa_b != isa else ""))
+    systems = [load_with(build_from(folder, name), args) for folder, name in ((args.a, isa), (args.b, isa_b))]
     times: dict[tuple[int, int], list[float]] = {(i, n): [] for i in range(2) for n in args.tokens}
     for _ in range(args.rounds):
         for n in args.tokens:

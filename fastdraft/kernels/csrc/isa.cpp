@@ -83,7 +83,8 @@ fastdraft::IsaPtr load_isa(const std::string& path) {
 
 void bind_isa(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<fastdraft::Isa, std::shared_ptr<fastdraft::Isa>>(m, "Isa")
+  // module_local: two builds of the driver in one process (benchmarks/ab_kernels.py) each keep their own.
+  py::class_<fastdraft::Isa, std::shared_ptr<fastdraft::Isa>>(m, "Isa", py::module_local())
       .def_property_readonly("name", [](const fastdraft::Isa& isa) { return std::string(isa.table->name); })
       .def_property_readonly("tile_rows", [](const fastdraft::Isa& isa) { return isa.table->tile_rows; })
       .def_property_readonly("has_bf16_dot", [](const fastdraft::Isa& isa) { return isa.table->has_bf16_dot() != 0; })

@@ -22,6 +22,7 @@ using Vi = __m256i;
 // rows measured within noise of 4. P V: 3 rows x 4 vectors of accumulators.
 constexpr int kWoqMaxRows = 4;
 constexpr int kPvRows = 3;
+constexpr int kAccumulatorRegs = 8;  // int32 accumulators a tile pass may keep: half the 16 registers
 constexpr int kFewRows = 1;
 
 struct BF16 {

@@ -25,6 +25,7 @@ using Vi = __m512i;
 // kFewRows rows prefetch the weight stream into L1 too.
 constexpr int kWoqMaxRows = 8;
 constexpr int kPvRows = 6;
+constexpr int kAccumulatorRegs = 16;  // int32 accumulators a tile pass may keep: half the 32 registers
 constexpr int kFewRows = 2;
 
 // A bf16 value's bits: a type of its own so that loads and stores overload on it.

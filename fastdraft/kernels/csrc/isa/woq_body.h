@@ -136,11 +136,14 @@ constexpr int unit_chunks() {
 // rows the rows themselves are independent and registers are scarce. Two chains up to 6 rows
 // (5-row verification 1.2x faster than with one, AVX-512); at 7-8 rows they spill. vpmaddubsw
 // partials add in one cycle: one chain. Integer sums are exact, so chains never change results.
+// Chains never take more than the layer's accumulator registers (R x kTileVecs x chains).
 template <int BITS, int R>
 constexpr int default_chains() {
   if (simd::kPartialLimit <= 32767) return 1;
   const int steps = (BITS == 8 ? 1 : 2) * kUnroll;  // partial_adds per row per step
-  return R <= 2 ? steps : (R <= 6 ? 2 : 1);
+  const int chains = R <= 2 ? steps : (R <= 6 ? 2 : 1);
+  const int fit = simd::kAccumulatorRegs / (R * kTileVecs);
+  return chains <= fit ? chains : (fit >= 2 ? 2 : 1);
 }
 
 // Tile rows [0, NH * kLanes) of one tile against R activation rows from m0, for blocks of CPB
