@@ -1,7 +1,8 @@
 """Batch-1 greedy latency: fastdraft vs HF transformers vs llama.cpp, on the same prompt ids.
 
 llama.cpp runs through its Python bindings when ``llama_cpp`` imports, and through its own
-``llama-bench`` binary with ``--llama-bench PATH`` (prefill of the same number of tokens, then
+``llama-bench`` binary with ``--llama-bench PATH`` (and ik_llama.cpp's with ``--ik-llama-bench``;
+prefill of the same number of tokens, then
 decode at that depth, in the same interleaved rounds; its figures are throughputs, so it has
 no token stream to compare).
 
@@ -202,17 +203,22 @@ def setup_llama_cpp(name: str, args: argparse.Namespace) -> System:
     return System(stream, gguf_bytes_per_token(path), {"gguf": str(path)}, llm.close)
 
 
-def setup_llama_bench(name: str, binary: Path, threads: int) -> System:
+def setup_llama_bench(name: str, binary: Path, threads: int, is_ik: bool = False) -> System:
     """llama.cpp's ``llama-bench`` on the model's original GGUF: per round, one prefill of the
     prompt's length (pp) and one decode of the new tokens at that depth (tg), one repetition
-    each, as llama-bench's own JSON reports them (it warms up before each test)."""
+    each, as llama-bench's own JSON reports them (it warms up before each test). ``is_ik``:
+    ik_llama.cpp's llama-bench, which has no ``-d``; its ``-gp pp,tg`` times the tg tokens
+    after a pp-token prompt."""
     path = original_gguf(name)
 
     def tokens_per_s(num_prompt: int, num_gen: int, depth: int) -> float:
-        out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", str(num_prompt), "-n",
-                              str(num_gen), "-d", str(depth), "-r", "1", "-o", "json"],
+        shape = ["-p", str(num_prompt), "-n", str(num_gen), "-d", str(depth)]
+        if is_ik:
+            shape = ["-p", str(num_prompt), "-n", "0"] if depth == 0 else \
+                ["-p", "0", "-n", "0", "-gp", f"{depth},{num_gen}"]
+        out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), *shape, "-r", "1", "-o", "json"],
                              capture_output=True, text=True, check=True).stdout
-        return float(json.loads(out)[0]["avg_ts"])
+        return float(json.loads(out)[-1]["avg_ts"])
 
     def measure(prompt_ids: list[int], new_tokens: int) -> dict:
         prefill = tokens_per_s(len(prompt_ids), 0, 0)
@@ -323,7 +329,7 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int, split_
     print()
     ours = [s for s in results if s.startswith("fastdraft") and isinstance(results[s], dict)]
     for system in ours:
-        for other in ("transformers", "llama.cpp", "llama-bench", "fastdraft"):
+        for other in ("transformers", "llama.cpp", "llama-bench", "ik_llama.cpp", "fastdraft"):
             if other != system and isinstance(results.get(other), dict):
                 a, b = results[system], results[other]
                 print(f"{system} vs {other}: decode {b['token_latency_s'] / a['token_latency_s']:.2f}x "
@@ -357,6 +363,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             print(f"llama_cpp is not importable ({exc}): skipping llama.cpp's bindings")
         if args.llama_bench is not None:
             setups["llama-bench"] = lambda: setup_llama_bench(name, args.llama_bench, args.threads)
+        if args.ik_llama_bench is not None:
+            setups["ik_llama.cpp"] = lambda: setup_llama_bench(name, args.ik_llama_bench, args.threads, is_ik=True)
     results: dict[str, dict | str] = {}
     systems: dict[str, System] = {}
     for system, setup in setups.items():
@@ -401,6 +409,8 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     parser.add_argument("--llama-bench", type=Path, default=None,
                         help="path of a llama-bench binary: also run llama.cpp's own benchmark on the GGUF")
+    parser.add_argument("--ik-llama-bench", type=Path, default=None,
+                        help="path of ik_llama.cpp's llama-bench binary: also run that fork on the GGUF")
     add_state_split_argument(parser)
     parser.add_argument("--json", type=Path, default=Path("bench_results/latency.json"))
     args = parser.parse_args()

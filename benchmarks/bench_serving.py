@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from fastdraft.fileio import write_json
+from fastdraft.kernels.build import cpu_model, select_isa
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf, pull
 from fastdraft.tokenizer import Tokenizer
 
@@ -244,6 +245,7 @@ def main() -> None:
     if args.llama_server is not None and not args.llama_server.is_file():
         parser.error(f"--llama-server: {args.llama_server} does not exist")
 
+    print(f"CPU: {cpu_model()}; fastdraft's kernels: {select_isa()}", flush=True)
     tokenizer = Tokenizer(pull(args.model))
     # Every load gets prompts of its own, so that none finds another load's prompts in the prefix cache.
     loads = [*counts, args.poisson_requests if args.request_rate else 0]

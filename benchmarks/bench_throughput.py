@@ -37,6 +37,7 @@ from fastdraft.engine.generate import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
+from fastdraft.kernels.build import cpu_model, load_cpu_kernels
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 from fastdraft.process import configure_process
 from fastdraft.quant.config import parse_quant_spec
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--llama-batched-bench", type=Path, default=None,
                         help="path to llama.cpp's llama-batched-bench binary (skipped without it)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the batched runs and llama-batched-bench, alternating which goes first")
     parser.add_argument("--json", type=Path, default=Path("bench_results/throughput.json"))
     args = parser.parse_args()
     try:
@@ -175,11 +178,30 @@ def main() -> None:
         row = {"system": f"fastdraft {label}, one request at a time",
                **run_sequential(loaded, prompts[:args.sequential_requests], args.new_tokens, params)}
         results["rows"].append(row)
-    for num in args.num_seqs:
-        results["rows"].append({"system": f"fastdraft {label}, batched",
-                                **run_batched(loaded, prompts[:num], args.new_tokens, args.max_num_batched_tokens,
-                                              params, is_invariant)})
-        write_json(args.json, results)
+    # Rounds alternate which system goes first; each row is the median of its rounds, and the
+    # ratio to llama.cpp the median of the per-round ratios.
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(args.rounds):
+        systems = ["fastdraft", "llama"] if r % 2 == 0 else ["llama", "fastdraft"]
+        for system in systems:
+            if system == "fastdraft":
+                for num in args.num_seqs:
+                    runs.setdefault(("fastdraft", num), []).append(run_batched(
+                        loaded, prompts[:num], args.new_tokens, args.max_num_batched_tokens, params, is_invariant))
+            elif args.llama_batched_bench is not None:
+                for row in run_llama_batched_bench(args.llama_batched_bench, original_gguf(args.model), args):
+                    runs.setdefault(("llama", row["num_seqs"]), []).append(row)
+    per_round_ratios = {num: [f["gen_tok_s"] / p["gen_tok_s"] for f, p in zip(runs[("fastdraft", num)],
+                                                                              runs.get(("llama", num), []))]
+                        for num in args.num_seqs}
+    for (system, num), rows in runs.items():
+        name = f"fastdraft {label}, batched" if system == "fastdraft" else "llama-batched-bench (original GGUF)"
+        row = {"system": name, **{k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "num_seqs"},
+               "num_seqs": num, "rounds": len(rows)}
+        if system == "fastdraft" and per_round_ratios[num]:
+            row["vs_llama"] = statistics.median(per_round_ratios[num])
+        results["rows"].append(row)
+    write_json(args.json, results)
     mode_runs: dict[str, list[dict]] = {"on": [], "off": []}
     for _ in range(args.mode_cost_rounds if args.mode_cost else 0):
         for mode in ("on", "off"):
@@ -199,17 +221,15 @@ def main() -> None:
         results["mode_cost"] = {mode: {key: statistics.median(r[key] for r in runs)
                                        for key in ("prefill_tok_s", "gen_tok_s", "total_tok_s")}
                                 for mode, runs in mode_runs.items()}
-    if args.llama_batched_bench is not None:
-        for row in run_llama_batched_bench(args.llama_batched_bench, original_gguf(args.model), args):
-            results["rows"].append({"system": "llama-batched-bench (original GGUF)", **row})
     write_json(args.json, results)
 
     print(f"\n### {args.model}: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
-          f"{args.threads} threads\n")
+          f"{args.threads} threads, {args.rounds} interleaved rounds (medians)\n")
+    kernels = load_cpu_kernels()
+    print(f"CPU: {cpu_model()}; kernels: {kernels.name if kernels is not None else 'PyTorch (no C++ kernels)'}")
     sampling = "greedy" if params.is_greedy else f"temperature {args.temperature}, top_p {args.top_p}"
     print(f"sampling: {sampling}; batch-invariant mode {args.batch_invariant}\n")
     batched = [r for r in results["rows"] if r["system"].endswith("batched")]
-    peer = {r["num_seqs"]: r["gen_tok_s"] for r in results["rows"] if r["system"].startswith("llama")}
     # The ceiling: the largest batched run's prefill rate, over what one decode token costs in prefill tokens.
     ceiling = max(r["prefill_tok_s"] for r in batched) / args.decode_cost if batched else 0.0
     print("| system | N | prefill tok/s | generation tok/s | total tok/s | of ceiling | vs llama.cpp | "
@@ -219,7 +239,7 @@ def main() -> None:
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else ""
         is_batched = r in batched
         share = f"{r['gen_tok_s'] / ceiling:.0%}" if is_batched and ceiling else ""
-        ratio = f"{r['gen_tok_s'] / peer[r['num_seqs']]:.2f}x" if is_batched and r["num_seqs"] in peer else ""
+        ratio = f"{r['vs_llama']:.2f}x" if "vs_llama" in r else ""
         sample_share = f"{r['sample_share']:.1%}" if "sample_share" in r else ""
         print(f"| {r['system']} | {r['num_seqs']} | {r['prefill_tok_s']:.1f} | {r['gen_tok_s']:.1f} | "
               f"{r['total_tok_s']:.1f} | {share} | {ratio} | {sample_share} | {rss} |")
