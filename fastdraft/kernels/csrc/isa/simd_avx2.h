@@ -169,7 +169,9 @@ inline void interleave_i32(Vi a, Vi b, Vi& lo, Vi& hi) {
 #if defined(__AVXVNNI__)
 constexpr int kProductsPerLane = 4;
 constexpr int64_t kPartialLimit = 2147483647;
+template <bool TIED = true>
 inline Vi partial_add(Vi acc, Vi u8, Vi s8) {
+  if constexpr (!TIED) return _mm256_dpbusd_avx_epi32(acc, u8, s8);
   // {vex}: without it the assembler may pick the EVEX (AVX512-VNNI) form, which AVX2 CPUs lack.
   asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
   return acc;
@@ -186,6 +188,7 @@ inline Vi partial_add8(Vi acc, const Codes8& w, Vi x) { return partial_add(acc, 
 // the kernels' partial sums never reach), widened by vpmaddwd with ones.
 constexpr int kProductsPerLane = 2;
 constexpr int64_t kPartialLimit = 32767;
+template <bool TIED = true>  // no asm here: the same code either way
 inline Vi partial_add(Vi acc, Vi u8, Vi s8) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u8, s8)); }
 inline Vi partial_widen(Vi p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 // INT8 codes to 255 would overflow vpmaddubsw's pairs (2 x 255 x 127), so they become signed

@@ -146,11 +146,15 @@ inline void interleave_i32(Vi a, Vi b, Vi& lo, Vi& hi) {
 // ---- u8 x s8 dot products -----------------------------------------------------------------
 // partial_add accumulates u8 x s8 products kProductsPerLane to a lane in lanes that hold up to
 // kPartialLimit; partial_widen turns those lanes into int32 sums. Here one vpdpbusd into int32
-// lanes: no widening. The asm ties accumulator and result to one register (gcc copies
-// accumulators around the intrinsic: INT8 at 3-5 rows 1.1-1.6x slower).
+// lanes: no widening. TIED: through an asm that ties accumulator and result to one register,
+// where gcc otherwise copies accumulators around the intrinsic (INT8 at 3-5 rows 1.1-1.6x
+// slower, 1-2 row GEMVs 1.3-1.4x); INT4 at 8 rows runs faster with the intrinsic, which gcc
+// can schedule.
 constexpr int kProductsPerLane = 4;
 constexpr int64_t kPartialLimit = 2147483647;
+template <bool TIED = true>
 inline Vi partial_add(Vi acc, Vi u8, Vi s8) {
+  if constexpr (!TIED) return _mm512_dpbusd_epi32(acc, u8, s8);
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
   return acc;
 }

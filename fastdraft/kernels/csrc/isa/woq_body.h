@@ -161,6 +161,11 @@ __attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8&
   // shifted back by 4 once per block (exact: every product is a multiple of 16). Decode steps
   // ~1.03x faster on Zen 4 when the vector ops, not the memory stream, set the pace.
   constexpr bool kHighInPlace = BITS == 4 && CH % 2 == 0 && simd::kPartialLimit > 32767;
+  // With int32 partials nothing overflows: the whole block is one unit, and its sums need no
+  // second set of registers (8 rows' partials and sums together spill on AVX-512).
+  constexpr bool kInt32Partials = simd::kPartialLimit > 32767;
+  static_assert(!kInt32Partials || UNIT == CPB, "int32 partials: one unit per block");
+  constexpr bool kTied = R <= 2;  // INT4/INT6 from 3 rows: the intrinsic (see simd_avx512.h)
   static_assert(NH <= kTileVecs && CPB % UNIT == 0 && UNIT % STEP == 0, "bad tile kernel shape");
   static_assert(CH == 1 || ((BITS == 8 ? 1 : 2) * STEP) % CH == 0, "chains must cycle within a step");
   const Vi nibble = simd::set1_i8(0x0f), high_nibble = simd::set1_i8(static_cast<int8_t>(0xf0));
@@ -191,12 +196,12 @@ __attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8&
     for (int64_t bb = 0; bb < j.bpg; ++bb) {
       const int64_t b = g * j.bpg + bb;
       const int8_t* xb[R];
-      Vi dot[R][NH];  // the block's int32 sums
+      Vi dot[R][NH];  // the block's int32 sums; with int32 partials (one unit) the start goes in chain 0
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         xb[r] = xq[r] + b * block;
 #pragma GCC unroll 2
-        for (int h = 0; h < NH; ++h) dot[r][h] = ASYM ? simd::zero_i() : simd::set1_i32(xstart[r][b]);
+        for (int h = 0; h < NH; ++h) dot[r][h] = ASYM || kInt32Partials ? simd::zero_i() : simd::set1_i32(xstart[r][b]);
       }
       for (int u0 = 0; u0 < CPB; u0 += UNIT) {
         Vi part[R][NH][CH];
@@ -205,7 +210,8 @@ __attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8&
 #pragma GCC unroll 2
           for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 8
-            for (int c = 0; c < CH; ++c) part[r][h][c] = simd::zero_i();
+            for (int c = 0; c < CH; ++c)
+              part[r][h][c] = !ASYM && kInt32Partials && c == 0 ? simd::set1_i32(xstart[r][b]) : simd::zero_i();
 #pragma GCC unroll 4
         for (int c0 = 0; c0 < UNIT; c0 += STEP) {
 #pragma GCC unroll 2
@@ -248,9 +254,9 @@ __attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8&
 #pragma GCC unroll 2
                 for (int h = 0; h < NH; ++h) {
                   Vi& p_lo = part[r][h][(2 * u) % CH];
-                  p_lo = simd::partial_add(p_lo, lo[h], x_lo);
+                  p_lo = simd::partial_add<kTied>(p_lo, lo[h], x_lo);
                   Vi& p_hi = part[r][h][(2 * u + 1) % CH];
-                  p_hi = simd::partial_add(p_hi, hi[h], x_hi);
+                  p_hi = simd::partial_add<kTied>(p_hi, hi[h], x_hi);
                 }
               }
             }
@@ -267,9 +273,11 @@ __attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8&
                 low = simd::add_i32(low, simd::partial_widen(part[r][h][c]));
                 high = simd::add_i32(high, simd::partial_widen(part[r][h][c + 1]));
               }
-              dot[r][h] = simd::add_i32(dot[r][h], simd::add_i32(low, simd::sra32<4>(high)));
+              dot[r][h] = simd::add_i32(low, simd::sra32<4>(high));  // int32 partials: the only unit
             } else {
-              for (int c = 0; c < CH; ++c) dot[r][h] = simd::add_i32(dot[r][h], simd::partial_widen(part[r][h][c]));
+              Vi t = simd::partial_widen(part[r][h][0]);
+              for (int c = 1; c < CH; ++c) t = simd::add_i32(t, simd::partial_widen(part[r][h][c]));
+              dot[r][h] = kInt32Partials ? t : simd::add_i32(dot[r][h], t);
             }
           }
       }
