@@ -149,11 +149,12 @@ constexpr int default_chains() {
 // Tile rows [0, NH * kLanes) of one tile against R activation rows from m0, for blocks of CPB
 // chunks, CH chains; PF: the weights' software prefetch. With j.sums set it stores the exact
 // int32 block sums instead of the float epilogue (woq_block_sums), so the test entry runs this
-// very code. The shape is all template arguments: with a compile-time chunk count the block
+// very code. Inlined or not as the layer says (FASTDRAFT_TILE_KERNEL_ATTR). The shape is all
+// template arguments: with a compile-time chunk count the block
 // loop runs without overhead, and a run-time branch inside it makes gcc copy accumulators
 // between registers on every chunk.
 template <int BITS, bool ASYM, int R, int NH, int CPB, int CH, Prefetch PF>
-__attribute__((noinline)) void tile_kernel(const TileJob& j, const Activations8& a, int64_t m0) {
+FASTDRAFT_TILE_KERNEL_ATTR void tile_kernel(const TileJob& j, const Activations8& a, int64_t m0) {
   constexpr int64_t chunk_k = kChunkK<BITS>, block = CPB * chunk_k;
   constexpr int UNIT = unit_chunks<BITS, CPB>(), STEP = std::min(UNIT, kUnroll);
   // INT4 with vpdpbusd and an even number of chains: the high nibbles go on the odd chains
