@@ -210,11 +210,8 @@ void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const KeyRows<BF16>& v,
   for (int64_t r = 0; r < rows; ++r) row_pairs[r] = (num_keys[r] + 1) / 2;
   for (int64_t r0 = 0; r0 < rows; r0 += simd::kPvRows) {
     const int64_t nr = std::min<int64_t>(simd::kPvRows, rows - r0);
-    int64_t pairs_all = num_pairs, pairs_any = 0;
-    for (int64_t r = 0; r < nr; ++r) {
-      pairs_all = std::min(pairs_all, row_pairs[r0 + r]);
-      pairs_any = std::max(pairs_any, row_pairs[r0 + r]);
-    }
+    const auto [fewest, most] = std::minmax_element(row_pairs.begin() + r0, row_pairs.begin() + r0 + nr);
+    const int64_t pairs_all = std::min(num_pairs, *fewest), pairs_any = *most;
     for (int64_t c0 = 0; c0 < d; c0 += 4 * L)
       with_count<simd::kPvRows>(nr, [&](auto nr_tag) {
         auto block = [&](auto nv_tag) {
@@ -291,7 +288,7 @@ void attend_split_of(const AttendArgs& A) {
   float* scores = scores_buf.data();
   bool is_bf16 = false;  // bf16 dot products for q K^T and P V (the driver passes q_bf16 only where has_bf16_dot)
 #if FASTDRAFT_SIMD_BF16
-  std::vector<uint16_t> probs_bf16;
+  static thread_local std::vector<uint16_t> probs_bf16;
   const int64_t num_pairs = (n + 1) / 2;
   if constexpr (std::is_same_v<T, BF16>) {
     is_bf16 = A.q_bf16 != nullptr;
@@ -334,11 +331,9 @@ void attend_split_of(const AttendArgs& A) {
   // P V: up to kPvRows rows x 4 kLanes dims of accumulators per pass over the split's values.
   for (int64_t r0 = 0; r0 < rows; r0 += simd::kPvRows) {
     const int64_t nr = std::min<int64_t>(simd::kPvRows, rows - r0);
-    int64_t n_all = n, n_any = 0;  // keys every row of the block sees / any row sees
-    for (int64_t r = 0; r < nr; ++r) {
-      n_all = std::min(n_all, A.num_keys[r0 + r]);
-      n_any = std::max(n_any, A.num_keys[r0 + r]);
-    }
+    // Keys every row of the block sees / any row sees.
+    const auto [fewest, most] = std::minmax_element(A.num_keys + r0, A.num_keys + r0 + nr);
+    const int64_t n_all = std::min(n, *fewest), n_any = *most;
     for (int64_t c0 = 0; c0 < d; c0 += 4 * L)
       with_count<simd::kPvRows>(nr, [&](auto nr_tag) {
         with_count<4>((d - c0) / L, [&](auto nv_tag) {  // d % kLanes == 0

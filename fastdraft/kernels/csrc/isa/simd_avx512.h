@@ -152,8 +152,8 @@ inline void interleave_i32(Vi a, Vi b, Vi& lo, Vi& hi) {
 // kPartialLimit; partial_widen turns those lanes into int32 sums. Here one vpdpbusd into int32
 // lanes: no widening. TIED: through an asm that ties accumulator and result to one register,
 // where gcc otherwise copies accumulators around the intrinsic (INT8 at 3-5 rows 1.1-1.6x
-// slower, 1-2 row GEMVs 1.3-1.4x); INT4 at 8 rows runs faster with the intrinsic, which gcc
-// can schedule.
+// slower, 1-2 row GEMVs 1.3-1.4x); INT4 from 3 rows gains nothing from the asm and keeps the
+// intrinsic, which gcc can schedule.
 constexpr int kProductsPerLane = 4;
 constexpr int64_t kPartialLimit = 2147483647;
 template <bool TIED = true>

@@ -40,6 +40,9 @@ constexpr int kTileVecs = kTile / simd::kLanes;   // vectors per tile row of int
 constexpr int kVecBytes = 4 * simd::kLanes;
 constexpr int kMaxRows = simd::kWoqMaxRows;       // activation rows sharing a pass over a tile
 constexpr int kUnroll = 2;                        // chunks per step of the inner loop
+// The layer's partial lanes are int32 (vpdpbusd): nothing overflows within a block, so a block
+// is one unit, and chains, not widening, set the shape.
+constexpr bool kInt32Partials = simd::kPartialLimit > 32767;
 // Software prefetch of the weight stream, once per 64-byte line:
 // * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on Intel
 //   (whole decode steps 0.74x without it on Sapphire Rapids, AVX-512).
@@ -139,7 +142,7 @@ constexpr int unit_chunks() {
 // Chains never take more than the layer's accumulator registers (R x kTileVecs x chains).
 template <int BITS, int R>
 constexpr int default_chains() {
-  if (simd::kPartialLimit <= 32767) return 1;
+  if (!kInt32Partials) return 1;
   const int steps = (BITS == 8 ? 1 : 2) * kUnroll;  // partial_adds per row per step
   const int chains = R <= 2 ? steps : (R <= 6 ? 2 : 1);
   const int fit = simd::kAccumulatorRegs / (R * kTileVecs);
@@ -161,10 +164,9 @@ FASTDRAFT_TILE_KERNEL_ATTR void tile_kernel(const TileJob& j, const Activations8
   // in place, as 16 * hi (an AND instead of a shift and an AND), and those chains' sum is
   // shifted back by 4 once per block (exact: every product is a multiple of 16). Decode steps
   // ~1.03x faster on Zen 4 when the vector ops, not the memory stream, set the pace.
-  constexpr bool kHighInPlace = BITS == 4 && CH % 2 == 0 && simd::kPartialLimit > 32767;
-  // With int32 partials nothing overflows: the whole block is one unit, and its sums need no
-  // second set of registers (8 rows' partials and sums together spill on AVX-512).
-  constexpr bool kInt32Partials = simd::kPartialLimit > 32767;
+  constexpr bool kHighInPlace = BITS == 4 && CH % 2 == 0 && kInt32Partials;
+  // With int32 partials the block's one unit folds straight into its sums: no second set of
+  // registers (8 rows' partials and sums together spill on AVX-512).
   static_assert(!kInt32Partials || UNIT == CPB, "int32 partials: one unit per block");
   constexpr bool kTied = R <= 2;  // INT4/INT6 from 3 rows: the intrinsic (see simd_avx512.h)
   static_assert(NH <= kTileVecs && CPB % UNIT == 0 && UNIT % STEP == 0, "bad tile kernel shape");
@@ -347,6 +349,8 @@ void tile_rows(const TileJob& j, const Activations8& a, int64_t m0, int rows) {
     if (kTileVecs == 1 || num_vecs == kTileVecs) shaped(std::integral_constant<int, kTileVecs>{});
     else shaped(std::integral_constant<int, 1>{});
   };
+  // A switch, not with_count: this runs once per 16-row tile, and through with_count whole
+  // 0.5B decode passes ran ~0.98x.
   switch (rows) {
     case 1: run(std::integral_constant<int, 1>{}); break;
     case 2: run(std::integral_constant<int, std::min(2, kMaxRows)>{}); break;
@@ -452,8 +456,7 @@ void dequant_tile_of(const WoqView& w, int64_t t, int64_t k, T* out) {
         if (kk >= k) break;
         const int64_t i = group0 + (kk / w.group) * kTile + r;  // groups hold >= 16 columns: one per step
         const float scale = fastdraft::half::fp16_to_float(w.scales[i]);
-        const float zero = w.zeros_f16 ? fastdraft::half::fp16_to_float(w.zeros_f16[i])
-                         : w.zeros_u8 ? static_cast<float>(w.zeros_u8[i]) : w.zero_const;
+        const float zero = w.zeros_u8 || w.zeros_f16 ? fastdraft::generic::zero_at(w, i) : w.zero_const;
         const Vf q = simd::sub(simd::load_u8(codes + p), simd::set1(zero));
         simd::store(out + r * k + kk, simd::mul(q, simd::set1(scale)), k - kk);
       }
