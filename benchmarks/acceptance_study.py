@@ -5,7 +5,7 @@ held-out stdlib module, per seed (T > 0) or per module (greedy). Then the target
 score those whole sequences in one pass. Per position we report the chance that a one-token
 draft is accepted: sum(min(target, draft)) for sampling, or argmax agreement for greedy. We
 also split the positions by the draft's confidence (top probability >= ``--min-confidence``),
-the signal the adaptive draft length stops on (fastdraft/spec/draft_length.py).
+the signal the adaptive draft length stops on (fastdraft/speculative/draft_length.py).
 
     python benchmarks/acceptance_study.py --temperature 0.7 --drafts bf16,rtn
 """
@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.fused_decoder import FusedDecoder
@@ -26,7 +26,7 @@ from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig, prepare_draft
+from fastdraft.speculative.config import SpeculativeConfig, prepare_draft
 
 
 @torch.inference_mode()

@@ -36,7 +36,7 @@ from fastdraft.config import ModelConfig  # noqa: E402
 from fastdraft.formats import PER_CHANNEL, quantize  # noqa: E402
 from fastdraft.kernels.aten import AtenInt4Kernel, AtenInt8Kernel  # noqa: E402
 from fastdraft.kernels.x86 import X86WoqKernel  # noqa: E402
-from fastdraft.models.loader import resolve_model_dir  # noqa: E402
+from fastdraft.models.files import resolve_model_dir  # noqa: E402
 from fastdraft.process import configure_process  # noqa: E402
 
 CACHE_BYTES = 256 * 2**20  # cycle through this many weight bytes so nothing stays in cache

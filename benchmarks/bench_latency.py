@@ -36,7 +36,7 @@ from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.models.loader import parse_dtype, resolve_model_dir
+from fastdraft.models.files import parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 from fastdraft.process import configure_process
 from fastdraft.sampling_params import SamplingParams

@@ -36,7 +36,7 @@ from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.speculative.config import SpeculativeConfig
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json

@@ -7,14 +7,15 @@ constructors leave process-wide settings alone.
 """
 
 from fastdraft.config import ModelConfig
-from fastdraft.engine.generate import TextGenerator
-from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.loader import load_model
-from fastdraft.llm import LLM, AutoModelForCausalLM, CompletionOutput, RequestOutput
+from fastdraft.engine.metrics import GenerationMetrics
+from fastdraft.engine.output import CompletionOutput, RequestOutput
+from fastdraft.generator import TextGenerator
+from fastdraft.llm import LLM, AutoModelForCausalLM
 from fastdraft.process import configure_process
 from fastdraft.quant.config import QuantConfig
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.speculative.config import SpeculativeConfig
 
 __version__ = "0.1.0"
 __all__ = [

@@ -171,13 +171,13 @@ def _cmd_pull(args: argparse.Namespace) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
-    from fastdraft.engine.generate import TextGenerator
     from fastdraft.engine.loader import load_model
+    from fastdraft.generator import TextGenerator
     from fastdraft.sampling_params import SamplingParams
+    from fastdraft.speculative.config import SpeculativeConfig
 
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
-    from fastdraft.spec.config import SpeculativeConfig
 
     spec = None
     if args.speculative:
@@ -208,17 +208,19 @@ def _port(text: str) -> int:
     return value
 
 
-def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, engine_config, speculation=None):
-    """The server's engine: the model loaded (and quantized), and speculating, as ``fastdraft
-    serve`` was told."""
+def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, engine_config, speculative=None):
+    """The server's engine: the model loaded (and quantized), and speculating as
+    ``speculative`` (a ``SpeculativeConfig``) says, as ``fastdraft serve`` was told."""
     from fastdraft.engine.llm_engine import LLMEngine
     from fastdraft.engine.loader import load_model
+    from fastdraft.speculative.factory import speculator_factory
 
     if quant is not None:
         loaded = _quantized(model, quant, dtype)
     else:
         loaded = load_model(model, dtype=dtype, load_in_low_bit=load_in_low_bit)
-    return LLMEngine(loaded, engine_config, speculation=speculation)
+    return LLMEngine(loaded, engine_config,
+                     speculation=None if speculative is None else speculator_factory(speculative))
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -240,7 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     # A partial of a module-level function: picklable, for an engine in its own process.
     speculation = None
     if args.speculative:
-        from fastdraft.spec.config import SpeculativeConfig
+        from fastdraft.speculative.config import SpeculativeConfig
 
         speculation = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     load_engine = functools.partial(_serving_engine, args.model, args.dtype, quant, args.load_in_low_bit,
@@ -295,7 +297,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 
 def _gguf_or_none(model: str):
     """The GGUF file ``model`` comes from, if any: the automatic search then also tries its own blocks."""
-    from fastdraft.models.loader import gguf_source
+    from fastdraft.models.files import gguf_source
 
     try:
         return gguf_source(model)
@@ -306,7 +308,7 @@ def _gguf_or_none(model: str):
 def _quantized(model: str, config, dtype: str):
     """``model`` loaded and quantized by ``config``; ``method=gguf`` keeps its GGUF file's blocks."""
     from fastdraft.engine.loader import load_model
-    from fastdraft.models.loader import gguf_source
+    from fastdraft.models.files import gguf_source
     from fastdraft.quant.data import calibration_samples
     from fastdraft.quant.quantizer import quantize_model
 
@@ -325,7 +327,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
     from fastdraft.engine.loader import load_model
     from fastdraft.fileio import check_output_path, write_json
-    from fastdraft.models.loader import resolve_model_dir
+    from fastdraft.models.files import resolve_model_dir
     from fastdraft.quant.config import parse_quant_spec
     from fastdraft.quant.data import TEST, read_text_files
     from fastdraft.quant.evaluate import EvalWindows, compare, evaluate, format_table, format_text_table
@@ -333,7 +335,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     # Bad arguments fail now, not after scoring the reference model (minutes for the 1.5B).
     config = parse_quant_spec(args.quant) if args.quant and not args.checkpoint else None
     if config is not None and config.is_gguf_native:
-        from fastdraft.models.loader import gguf_source
+        from fastdraft.models.files import gguf_source
 
         gguf_source(args.model)
     if args.checkpoint:

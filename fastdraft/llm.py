@@ -9,33 +9,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from tqdm.auto import tqdm
 
-from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
-from fastdraft.models.loader import LoadedModel
+from fastdraft.engine.output import RequestOutput
+from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: GenerationMetrics = field(repr=False, default_factory=GenerationMetrics)
+from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.factory import speculator_factory
 
 
 class LLM:
@@ -72,7 +55,8 @@ class LLM:
         self.engine = LLMEngine(loaded, EngineConfig(
             block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant), speculation=spec)
+            enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant),
+            speculation=None if spec is None else speculator_factory(spec))
 
     def generate(self, prompts: str | list[str], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -86,21 +70,12 @@ class LLM:
         if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
-            outputs = run_to_completion(self.engine, list(prompts), per_prompt, progress)
-        return [self._result(prompt, out) for prompt, out in zip(prompts, outputs)]
+            return run_to_completion(self.engine, list(prompts), per_prompt, progress)
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        params = sampling_params or SamplingParams()
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("the prompt is empty (no chat messages)")
-        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
-        out = run_to_completion(self.engine, [ids], [params])[0]
-        return self._result(None, out)
-
-    @staticmethod
-    def _result(prompt: str | None, out) -> RequestOutput:
-        completion = CompletionOutput(0, out.text, out.token_ids, out.finish_reason)
-        return RequestOutput(prompt, out.prompt_token_ids, [completion], out.metrics)
+        """Complete a conversation ([{"role": ..., "content": ...}]) rendered with the chat template."""
+        return run_to_completion(self.engine, [self.tokenizer.encode_chat(messages)],
+                                 [sampling_params or SamplingParams()])[0]
 
 
 class CausalLM:
@@ -130,7 +105,7 @@ class CausalLM:
                 spec = SpeculativeConfig(draft="assistant", num_speculative_tokens=(
                     spec.num_speculative_tokens if spec else 4))
             self._engines[key] = LLMEngine(self.loaded, EngineConfig(max_model_len=self._max_seq_len),
-                                           speculation=spec, draft=draft)
+                                           speculation=None if spec is None else speculator_factory(spec, draft))
         return self._engines[key]
 
     def generate(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 20, do_sample: bool = False,
@@ -149,7 +124,7 @@ class CausalLM:
                                 top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
         prompts = [row.tolist() for row in ids]
         engine = self._engine(assistant_model)
-        new_ids = [out.token_ids for out in run_to_completion(engine, prompts, [params] * len(prompts))]
+        new_ids = [out.outputs[0].token_ids for out in run_to_completion(engine, prompts, [params] * len(prompts))]
         rows = [prompt + new for prompt, new in zip(prompts, new_ids)]
         pad = (self.config.eos_token_ids or [0])[0]
         width = max(len(r) for r in rows)

@@ -93,6 +93,13 @@ class Tokenizer:
         self.chat_template = template
         self.__dict__.pop("_template", None)  # the compiled template of the previous one
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt's token ids for chat ``messages``: rendered with the chat template, which
+        writes the special tokens itself. ``ValueError`` for malformed messages or no template."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("the prompt is empty (no chat messages)")
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template."""
         if not self.chat_template:
@@ -136,6 +143,7 @@ class StopStringMatcher:
     stop: list[str]
     _pending: str = ""
     is_stopped: bool = False
+    matched: str | None = None  # the stop string found, once stopped
 
     def feed(self, delta: str) -> str:
         """Return the part of ``delta`` that is safe to emit; sets ``is_stopped`` on a match."""
@@ -144,9 +152,10 @@ class StopStringMatcher:
         text = self._pending + delta
         hits = [(text.find(s), s) for s in self.stop if s in text]
         if hits:
+            index, self.matched = min(hits)
             self.is_stopped = True
             self._pending = ""
-            return text[:min(idx for idx, _ in hits)]
+            return text[:index]
         # Keep the longest suffix of text that is a prefix of some stop string.
         keep = 0
         for s in self.stop:

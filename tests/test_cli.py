@@ -106,7 +106,7 @@ def test_request_longer_than_max_seq_len(capsys, llama_dir):
 
 
 def test_generate_from_local_hf_folder(capsys, llama_dir, tiny_loaded):
-    from fastdraft.engine.generate import TextGenerator
+    from fastdraft.generator import TextGenerator
     from fastdraft.sampling_params import SamplingParams
 
     threads = torch.get_num_threads()

@@ -122,6 +122,7 @@ class BlockManager:
         for block in cached:
             self._hold(block)
         seq.block_table = [b.block_id for b in cached]
+        seq.num_hashed_blocks = len(cached)
         seq.num_cached_tokens = seq.num_computed_tokens
         if not self.append_slots(seq, num_new_tokens):
             self.free(seq)
@@ -143,22 +144,24 @@ class BlockManager:
         self._release_from(seq, self.num_blocks_for(seq.num_computed_tokens + 1))
 
     def commit(self, seq: Sequence) -> None:
-        """Key ``seq``'s full, computed blocks for prefix caching (after a forward pass)."""
+        """Key ``seq``'s newly filled, computed blocks for prefix caching (after a forward
+        pass); the blocks keyed before keep their keys, so a step hashes only what it filled."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        start = seq.num_hashed_blocks
+        if num_full <= start:
+            return
         tokens = seq.token_ids
-        prev = _NO_HASH
-        for index in range(num_full):
+        prev = self.blocks[seq.block_table[start - 1]].hash if start else _NO_HASH
+        for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
-            if block.hash:
-                prev = block.hash
-                continue
             prev = block_hash(prev, tokens[index * self.block_size:(index + 1) * self.block_size])
             block.hash = prev
             # Another sequence may have computed the same prefix meanwhile: keep the first copy
             # findable, and let this one be evicted with its key when it is freed.
             self._cached.setdefault(prev, block.block_id)
+        seq.num_hashed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Its last blocks go to the pool first, so they are evicted
@@ -173,3 +176,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         del seq.block_table[num_kept:]
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_kept)

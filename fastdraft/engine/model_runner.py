@@ -170,13 +170,15 @@ class ModelRunner:
         processed = logits  # copied on the first row a penalty or min_tokens changes
         for i, seq in enumerate(samplers):
             params = seq.params
+            if not params.uses_engine_extras():
+                continue
             original = logits[i]  # [vocab_size]
             row = apply_penalties(original, seq.prompt_token_ids, seq.output_token_ids, params)
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
                 bias = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
                 row = row.index_add(0, ids, bias)
-            if len(seq.output_token_ids) < params.min_tokens and self.eos_token_ids:
+            if seq.num_output_tokens < params.min_tokens and self.eos_token_ids:
                 eos_ids = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=row.device)
                 row = row.index_fill(0, eos_ids, float("-inf"))
             if row is not original:

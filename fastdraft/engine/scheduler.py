@@ -62,9 +62,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """Decides each step's work and owns when a sequence ends: on EOS (``eos_token_ids``) and
+    on length it finishes sequences itself, in :meth:`update`; a stop string, found in the
+    text by the engine, ends one through :meth:`finish`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -93,9 +99,7 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    self.finish(seq, "abort")
                     return seq
         return None
 
@@ -168,11 +172,11 @@ class Scheduler:
         output.num_scheduled_tokens[index] += num_draft_tokens
         return True
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]],
-               eos_token_ids: set[int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[Sequence]:
         """Record a step: every scheduled sequence computed its tokens, and those that reached
         the end of their tokens sampled (``sampled``, by ``seq_id``): one token, or after
-        verifying ``k`` draft tokens the accepted ones and one more. Rejected draft tokens are
+        verifying ``k`` draft tokens the accepted ones and one more. Tokens are appended up to
+        the first EOS or the length limit, which finish the sequence. Rejected draft tokens are
         not computed: the blocks that held only them go back to the pool, and the keys and
         values they left in kept blocks are overwritten later. Returns the sequences that
         finished, their blocks freed."""
@@ -184,13 +188,13 @@ class Scheduler:
             tokens = sampled.get(seq.seq_id, [])
             # The last token and the accepted drafts are computed; rejected ones are not.
             num_computed = seq.num_computed_tokens + num - num_draft + max(len(tokens) - 1, 0)
-            reason = None
+            reason = stop_token = None
             if num_computed >= seq.num_tokens:  # not a prompt chunk: new tokens, appended first
                 for token in tokens:  # so that blocks are keyed by their final tokens
-                    seq.output_token_ids.append(token)
-                    if token in eos_token_ids and not seq.params.ignore_eos:
-                        reason = "stop"
-                    elif len(seq.output_token_ids) >= seq.params.max_new_tokens:
+                    seq.append_token(token)
+                    if token in self.eos_token_ids and not seq.params.ignore_eos:
+                        reason, stop_token = "stop", token
+                    elif seq.num_output_tokens >= seq.params.max_new_tokens:
                         reason = "length"
                     if reason is not None:
                         break
@@ -199,12 +203,21 @@ class Scheduler:
             self.block_manager.trim(seq)  # blocks reserved for drafts that were rejected or never came
             self.block_manager.commit(seq)
             if reason is not None:
-                self.finish(seq, reason)
+                self.finish(seq, reason, stop_reason=stop_token)
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence (EOS, length, or a stop string found by the caller)."""
-        self.running.remove(seq)
+    def finish(self, seq: Sequence, reason: str, num_kept: int | None = None,
+               stop_reason: int | str | None = None) -> None:
+        """End ``seq`` for ``reason`` ("stop", "length" or "abort") and free its blocks.
+        ``num_kept``: the generated tokens it keeps (a stop string ended the text inside this
+        step's tokens); ``stop_reason``: the EOS token or stop string. A sequence that this
+        step already finished takes the new reason: the text ends at the stop string."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        if num_kept is not None:
+            seq.truncate_output(num_kept)

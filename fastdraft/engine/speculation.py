@@ -1,13 +1,14 @@
-"""How speculative decoding plugs into the engine: what a speculator must do, and what it hands
-back. ``fastdraft.spec`` implements it (draft model, self, n-gram); the engine only schedules
-the draft tokens, verifies them in its step, and reports the outcome.
+"""How speculative decoding plugs into the engine: what a proposer and a draft-length policy
+must do, and what they hand back. ``fastdraft.speculative`` implements them (draft model,
+self, n-gram); the engine only schedules the draft tokens, verifies them in its step, and
+reports the outcome.
 
 Each step, for the sequences that decode this step and may speculate, the engine asks the
-speculator how many tokens to draft (``draft_lengths``, possibly 0), reserves cache slots and
-token budget for them, asks for the drafts of every drafting sequence at once (``propose``),
-and runs the target over each sequence's last token and its drafts in the same flat batch as
-everything else. The rejection sampler keeps a prefix; ``update`` then tells the speculator
-what was accepted, so that it can roll back its own state.
+policy how many tokens to draft (``draft_lengths``, possibly 0), reserves cache slots and
+token budget for them, asks the proposer for the drafts of every drafting sequence at once
+(``propose``), and runs the target over each sequence's last token and its drafts in the same
+flat batch as everything else. The rejection sampler keeps a prefix; ``update`` then tells
+both what was accepted, so that each can roll back its own state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.sequence import Sequence
-from fastdraft.models.loader import LoadedModel
+from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -36,14 +37,13 @@ class DraftBatch:
     draft_vocab_ids: torch.Tensor | None = None
 
 
-class Speculator(Protocol):
-    """Drafts tokens for the engine's decoding sequences."""
+class Proposer(Protocol):
+    """Guesses continuations for a batch of decoding sequences, and keeps whatever per-sequence
+    state that takes in step with what verification kept."""
 
-    num_speculative_tokens: int  # the most tokens one sequence drafts in a step
-
-    def draft_lengths(self, seqs: list[Sequence], num_step_tokens: int) -> list[int]:
-        """How many tokens each of ``seqs`` should draft in a step that already computes
-        ``num_step_tokens`` tokens (0: plain decoding)."""
+    def pending_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the proposer must compute before its first draft token (its
+        cost is charged to speculation: the draft's prompt, for a separate draft)."""
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int],
                 generators: list[torch.Generator]) -> DraftBatch:
@@ -58,14 +58,36 @@ class Speculator(Protocol):
         """``seq`` finished or was aborted: drop its state and free what it holds."""
 
 
-class Speculation(Protocol):
-    """A speculative-decoding configuration (``fastdraft.spec.config.SpeculativeConfig``)."""
+class DraftLengthChooser(Protocol):
+    """Says how many tokens each decoding sequence drafts in a step, learning from outcomes."""
 
-    def start(self, target: LoadedModel, runner: ModelRunner, max_num_seqs: int,
-              draft: LoadedModel | None = None) -> Speculator:
+    k_max: int  # the most tokens one sequence drafts in a step
+
+    def draft_lengths(self, seqs: list[Sequence], num_step_tokens: int) -> list[int]:
+        """How many tokens each of ``seqs`` should draft in a step that already computes
+        ``num_step_tokens`` tokens (0: plain decoding)."""
+
+    def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        """What ``seq``'s step came to (as :meth:`Proposer.update`)."""
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted."""
+
+
+@dataclass
+class Speculator:
+    """What the engine drafts with: a proposer, and the policy that says how much."""
+
+    proposer: Proposer
+    policy: DraftLengthChooser
+
+
+class SpeculatorFactory(Protocol):
+    """Makes the engine's speculator (``fastdraft.speculative.factory.speculator_factory``)."""
+
+    def __call__(self, target: LoadedModel, runner: ModelRunner, max_num_seqs: int) -> Speculator:
         """The speculator for ``target``, drafting beside its ``runner`` (whose cache a
-        self-draft writes into) for up to ``max_num_seqs`` sequences a step; ``draft``: an
-        already loaded draft model to use."""
+        self-draft writes into) for up to ``max_num_seqs`` sequences a step."""
 
 
 def may_speculate(params: SamplingParams) -> bool:

@@ -22,7 +22,7 @@ from fastdraft.config import ModelConfig
 from fastdraft.fileio import atomic_dir
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.models.loader import build_model
+from fastdraft.models.files import build_model
 from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.quantizer import replace_module
 

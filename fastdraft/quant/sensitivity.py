@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from fastdraft.models.loader import LoadedModel, build_model
+from fastdraft.models.files import LoadedModel, build_model
 from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.evaluate import EvalWindows, ReferenceScores, evaluate
 from fastdraft.quant.quantizer import quantize_model

@@ -29,10 +29,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
-from fastdraft.server.async_engine import AsyncEngine, EngineError, QueueFullError, RequestStream
+from fastdraft.engine.llm_engine import LLMEngine
+from fastdraft.engine.output import RequestCollector, RequestDelta
+from fastdraft.engine.request import RejectedRequest, check_request
+from fastdraft.server.async_engine import AsyncEngine
+from fastdraft.server.engine_client import EngineClient, EngineError, QueueFullError, RequestStream
 from fastdraft.server.engine_process import EngineProcess
-from fastdraft.server.metrics import ServerMetrics
+from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
                                        error_body)
 
@@ -65,7 +68,7 @@ class ServerConfig:
 
 class _State:
     def __init__(self) -> None:
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.load_error: BaseException | None = None
 
 
@@ -131,7 +134,7 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
                 return error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return await call_next(request)
 
-    def engine_or_error() -> AsyncEngine | JSONResponse:
+    def engine_or_error() -> EngineClient | JSONResponse:
         if state.engine is None:
             message = "the model failed to load" if state.load_error else "the model is loading"
             return error(503, message, "service_unavailable")
@@ -184,7 +187,7 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
                                                  for i, (prompt, params) in enumerate(jobs)])
         except QueueFullError as e:
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-        except ValueError as e:
+        except ValueError as e:  # the engine refused it (no room in its cache)
             return error(400, str(e), "invalid_request_error", "messages" if is_chat else "prompt")
         render = _ChatRender(engine, body) if is_chat else _CompletionRender(engine, body)
         if body.stream:
@@ -197,7 +200,7 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
         finally:
             for stream in streams:
                 stream.close()
-        choices = [render.choice(i, out) for i, out in enumerate(finals)]
+        choices = [render.choice(i, request) for i, request in enumerate(finals)]
         kind = "chat.completion" if is_chat else "text_completion"
         return JSONResponse({"id": request_id, "object": kind, "created": created, "model": body.model,
                              "choices": choices, "usage": _usage(finals)})
@@ -205,15 +208,14 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
     return app
 
 
-def _jobs(engine: AsyncEngine | EngineProcess, body: CompletionRequest | ChatCompletionRequest,
+def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
           is_chat: bool) -> list[tuple[list[int], object]]:
-    """(prompt token ids, SamplingParams) per choice: ``n`` per prompt. Text is tokenized here,
-    once, as the engine would tokenize it."""
-    tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
+    """(prompt token ids, SamplingParams) per choice: ``n`` per prompt, each checked as the
+    engine checks it. Text is tokenized here, once, as the engine would tokenize it."""
+    tokenizer = engine.tokenizer
     if is_chat:
         try:
-            # The template writes the special tokens itself.
-            prompts = [tokenizer.encode(tokenizer.apply_chat_template(body.conversation()), add_special_tokens=False)]
+            prompts = [tokenizer.encode_chat(body.conversation())]
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -226,50 +228,49 @@ def _jobs(engine: AsyncEngine | EngineProcess, body: CompletionRequest | ChatCom
             raise RequestError("echo with logprobs is not supported", param="echo")
     jobs = []
     for prompt in prompts:
-        if isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
         prompt = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
-        num_prompt = len(prompt)
-        room = engine.max_model_len - num_prompt
-        if room < 1:
-            raise RequestError(f"the prompt has {num_prompt} tokens; the context holds {engine.max_model_len}",
-                               param="messages" if is_chat else "prompt", code="context_length_exceeded")
         # Chat defaults to the rest of the context, as vLLM does; completions to 16, as OpenAI.
-        max_tokens = room if requested is None else requested
-        if max_tokens > room:
-            raise RequestError(f"max_tokens ({max_tokens}) exceeds the room the context leaves after the "
-                               f"prompt's {num_prompt} tokens ({room})",
-                               param="max_completion_tokens" if is_chat and body.max_completion_tokens else
-                               "max_tokens", code="context_length_exceeded")
-        for index in range(body.n):
-            jobs.append((prompt, body.sampling_params(max_tokens, logprobs, vocab_size, index)))
+        max_tokens = max(engine.max_model_len - len(prompt), 1) if requested is None else requested
+        params = body.sampling_params(max_tokens, logprobs, 0)
+        try:
+            check_request(prompt, params, engine.vocab_size, engine.max_model_len)
+        except RejectedRequest as e:
+            raise RequestError(str(e), param=_param_name(e.param, body, is_chat), code=e.code) from None
+        jobs.extend((prompt, body.sampling_params(max_tokens, logprobs, index)) for index in range(body.n))
     return jobs
 
 
-async def _collect(stream: RequestStream, metrics: ServerMetrics) -> RequestOutput:
-    last = None
-    async for out in stream:
-        metrics.record_token(out)
-        last = out
-    return last
+def _param_name(param: str | None, body: CompletionRequest | ChatCompletionRequest, is_chat: bool) -> str | None:
+    """The request field an engine refusal names, as this endpoint calls it."""
+    if is_chat and param == "prompt":
+        return "messages"
+    if is_chat and param == "max_tokens" and body.max_completion_tokens:
+        return "max_completion_tokens"
+    return param
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
+async def _collect(stream: RequestStream, metrics: ServerMetrics) -> RequestCollector:
+    async for delta in stream:
+        metrics.record_delta(delta, stream.collector)
+    return stream.collector
+
+
+def _usage(finals: list[RequestCollector]) -> dict:
     # A prompt counts once however many choices share it, as OpenAI counts it.
-    prompts = {tuple(out.prompt_token_ids): len(out.prompt_token_ids) for out in finals}
+    prompts = {tuple(r.prompt_token_ids): len(r.prompt_token_ids) for r in finals}
     prompt_tokens = sum(prompts.values())
-    completion = sum(len(out.token_ids) for out in finals)
+    completion = sum(len(r.token_ids) for r in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
 class _CompletionRender:
-    def __init__(self, engine: AsyncEngine, body: CompletionRequest) -> None:
+    def __init__(self, engine: EngineClient, body: CompletionRequest) -> None:
         self.tokenizer = engine.tokenizer
         self.body = body
         self.prompts = [prompt for prompt in body.prompts() for _ in range(body.n)]  # each choice's, as given
         self.offsets = [0] * len(self.prompts)
 
-    def _logprobs(self, index: int, out: RequestOutput, token_ids: list[int], entries) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], entries) -> dict | None:
         if self.body.logprobs is None:
             return None
         tokens, offsets = [], []
@@ -293,22 +294,21 @@ class _CompletionRender:
         prompt = self.prompts[index]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def choice(self, index: int, out: RequestOutput) -> dict:
-        text = (self._echo(index) if self.body.echo else "") + out.text
-        return {"index": index, "text": text, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(index, out, out.token_ids, out.logprobs or [])}
+    def choice(self, index: int, request: RequestCollector) -> dict:
+        text = (self._echo(index) if self.body.echo else "") + request.text
+        return {"index": index, "text": text, "finish_reason": request.finish_reason,
+                "logprobs": self._logprobs(index, request.token_ids, request.logprobs or [])}
 
-    def chunk(self, index: int, out: RequestOutput, is_first: bool) -> dict:
-        text = (self._echo(index) if self.body.echo and is_first else "") + out.new_text
-        entries = (out.logprobs or [])[-len(out.new_token_ids):] if out.new_token_ids else []
-        return {"index": index, "text": text, "finish_reason": out.finish_reason if out.is_finished else None,
-                "logprobs": self._logprobs(index, out, out.new_token_ids, entries)}
+    def chunk(self, index: int, delta: RequestDelta, is_first: bool) -> dict:
+        text = (self._echo(index) if self.body.echo and is_first else "") + delta.new_text
+        return {"index": index, "text": text, "finish_reason": delta.finish_reason,
+                "logprobs": self._logprobs(index, delta.new_token_ids, delta.new_logprobs or [])}
 
     object_name = "text_completion"
 
 
 class _ChatRender:
-    def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+    def __init__(self, engine: EngineClient, body: ChatCompletionRequest) -> None:
         self.tokenizer = engine.tokenizer
         self.body = body
 
@@ -323,15 +323,15 @@ class _ChatRender:
         return {"content": [{**item(token, lp), "top_logprobs": [item(t, v) for t, v in top]}
                             for token, (lp, top) in zip(token_ids, entries)]}
 
-    def choice(self, index: int, out: RequestOutput) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason, "logprobs": self._logprobs(out.token_ids, out.logprobs or [])}
+    def choice(self, index: int, request: RequestCollector) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": request.text},
+                "finish_reason": request.finish_reason,
+                "logprobs": self._logprobs(request.token_ids, request.logprobs or [])}
 
-    def chunk(self, index: int, out: RequestOutput, is_first: bool) -> dict:
-        delta = {"role": "assistant", "content": out.new_text} if is_first else {"content": out.new_text}
-        entries = (out.logprobs or [])[-len(out.new_token_ids):] if out.new_token_ids else []
-        return {"index": index, "delta": delta, "finish_reason": out.finish_reason if out.is_finished else None,
-                "logprobs": self._logprobs(out.new_token_ids, entries)}
+    def chunk(self, index: int, delta: RequestDelta, is_first: bool) -> dict:
+        message = {"role": "assistant", "content": delta.new_text} if is_first else {"content": delta.new_text}
+        return {"index": index, "delta": message, "finish_reason": delta.finish_reason,
+                "logprobs": self._logprobs(delta.new_token_ids, delta.new_logprobs or [])}
 
     object_name = "chat.completion.chunk"
 
@@ -344,16 +344,16 @@ async def _sse(streams: list[RequestStream], render, metrics: ServerMetrics, req
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
-            async for out in stream:
-                metrics.record_token(out)
-                await queue.put((index, out))
+            async for delta in stream:
+                metrics.record_delta(delta, stream.collector)
+                await queue.put((index, delta))
         except EngineError as e:
             await queue.put((index, e))
         else:
             await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    finals: list[RequestOutput | None] = [None] * len(streams)
+    is_started = [False] * len(streams)
     base = {"id": request_id, "object": render.object_name, "created": created, "model": body.model}
     try:
         remaining = len(streams)
@@ -365,11 +365,10 @@ async def _sse(streams: list[RequestStream], render, metrics: ServerMetrics, req
             if isinstance(item, EngineError):
                 yield f"data: {json.dumps(error_body(str(item), 'internal_error'))}\n\n"
                 return
-            is_first = finals[index] is None
-            finals[index] = item
+            is_first, is_started[index] = not is_started[index], True
             yield f"data: {json.dumps({**base, 'choices': [render.chunk(index, item, is_first)]})}\n\n"
         if body.include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage([f for f in finals if f is not None])})}\n\n"
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage([s.collector for s in streams])})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

@@ -1,7 +1,7 @@
 """The engine's step loop in a child process (an engine core, as vLLM runs it), fed and read over pipes.
 
 The server's event loop and the engine then hold separate interpreters, so neither waits on
-the other's GIL; in exchange, every request, abort and step's outputs cross a pipe, pickled.
+the other's GIL; in exchange, every request, abort and step's deltas cross a pipe, pickled.
 :class:`EngineProcess` offers what :class:`~fastdraft.server.async_engine.AsyncEngine` offers
 (the default, a thread), and ``fastdraft serve --engine-process`` picks it. docs/server.md
 compares the two.
@@ -18,11 +18,11 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from fastdraft.engine.llm_engine import LLMEngine, RequestOutput
+from fastdraft.engine.llm_engine import LLMEngine
+from fastdraft.engine.output import RequestDelta
 from fastdraft.process import configure_process
-from fastdraft.sampling_params import SamplingParams
-from fastdraft.server.async_engine import (EngineError, QueueFullError, RequestStream, StepStats, _settle,
-                                           add_all_or_none, run_step)
+from fastdraft.server.engine_client import (EngineError, QueuedRequest, QueueFullError, RequestStream, StepStats,
+                                            add_all_or_none, run_step, settle)
 from fastdraft.tokenizer import Tokenizer
 
 
@@ -37,7 +37,7 @@ class EngineInfo:
 
 def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, commands: Connection,
                  events: Connection) -> None:
-    """The child's main: load, then apply commands between steps and send each step's outputs."""
+    """The child's main: load, then apply commands between steps and send each step's deltas."""
     # A spawned child starts from defaults; fastdraft made this process, so it gives it the
     # parent's thread count and the tuned malloc.
     configure_process(num_threads=num_threads)
@@ -46,7 +46,7 @@ def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, command
     except BaseException as e:  # the parent reports it; /health says the model failed to load
         events.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
-    events.send(("ready", EngineInfo(engine.tokenizer, engine.loaded.config.vocab_size, engine.max_model_len)))
+    events.send(("ready", EngineInfo(engine.tokenizer, engine.vocab_size, engine.max_model_len)))
     with torch.inference_mode():
         while True:
             # Wait for work only when there is none to do.
@@ -73,11 +73,12 @@ def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, command
             if result.stats is None:
                 events.send(("failed", result.failed_request_ids, result.error))
             else:
-                events.send(("step", result.outputs, result.stats))
+                events.send(("step", result.deltas, result.stats))
 
 
 class EngineProcess:
-    """Runs an :class:`LLMEngine` in a child process and streams its outputs to asyncio queues.
+    """Runs an :class:`LLMEngine` in a child process and streams its deltas to asyncio queues
+    (an :class:`~fastdraft.server.engine_client.EngineClient`).
 
     ``load_engine`` must be picklable (a module-level function or a ``functools.partial`` of
     one): the child is started with ``spawn`` and calls it there. ``on_step`` is called on the
@@ -142,11 +143,11 @@ class EngineProcess:
     def num_waiting(self) -> int:
         return self._num_waiting + sum(num for _, num in self._pending.values())
 
-    async def add_requests(self, requests: list[tuple[str | list[int], SamplingParams, str]]) -> list[RequestStream]:
-        """As :meth:`AsyncEngine.add_requests`."""
+    async def add_requests(self, requests: list[QueuedRequest]) -> list[RequestStream]:
+        """As :meth:`EngineClient.add_requests`."""
         if self.num_waiting + len(requests) > self.max_queue:
             raise QueueFullError(f"{self.num_waiting} requests are waiting; the limit is {self.max_queue}")
-        streams = [RequestStream(self, request_id) for _, _, request_id in requests]
+        streams = [RequestStream(self, request_id, prompt) for prompt, _, request_id in requests]
         for stream in streams:
             self._streams[stream.request_id] = stream.queue
         token, self._next_token = self._next_token, self._next_token + 1
@@ -189,22 +190,22 @@ class EngineProcess:
     def _dispatch(self, event: tuple) -> None:
         kind = event[0]
         if kind == "step":
-            _, outputs, stats = event
+            _, deltas, stats = event
             self._num_waiting = stats.num_waiting
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            for delta in deltas:
+                self._deliver(delta.request_id, delta)
             if self.on_step is not None:
                 self.on_step(stats)
         elif kind == "added":
             _, token, error = event
             if token in self._pending:
-                _settle(self._pending[token][0], error)
+                settle(self._pending[token][0], error)
         elif kind == "failed":
             _, request_ids, message = event
             for request_id in request_ids:
                 self._deliver(request_id, EngineError(message))
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestDelta | BaseException) -> None:
         queue = self._streams.get(request_id)
         if queue is not None:
             queue.put_nowait(item)
@@ -213,4 +214,4 @@ class EngineProcess:
         for request_id in list(self._streams):
             self._deliver(request_id, EngineError(message))
         for future, _ in list(self._pending.values()):
-            _settle(future, EngineError(message))
+            settle(future, EngineError(message))

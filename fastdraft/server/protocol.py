@@ -97,14 +97,10 @@ class _Request(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", param=name)
             raise RequestError(f"unknown parameter '{name}'", param=name)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int, index: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """The engine's parameters for choice ``index`` of ``n`` (a seeded request's choices
         take consecutive seeds, so they differ but stay reproducible)."""
-        bias = {}
-        for token, value in (self.logit_bias or {}).items():
-            if int(token) >= vocab_size:
-                raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
-            bias[int(token)] = value
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(

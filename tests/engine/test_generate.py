@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import append_pass
@@ -179,14 +179,29 @@ def test_generator_runs_plain_requests_through_the_engine(generator, tiny_loaded
     assert len(penalized.token_ids) == 8
 
 
-def test_an_abandoned_stream_gives_way_to_the_next_request(generator):
+def test_a_new_stream_waits_for_an_open_one_and_each_aborts_only_itself(generator):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    expected_first = generator.generate("the cat", params).token_ids
     expected = generator.generate(PROMPT, params).token_ids
-    stream = generator.stream("the cat", params)
-    next(iter(stream))  # started, then left unfinished
+    engine = generator.engine
+    first = generator.stream("the cat", params)
+    pieces = iter(first)
+    next(pieces)  # started, and still open
     with pytest.raises(ValueError, match="exceeds"):  # a refused request starts nothing, aborts nothing
         generator.stream(PROMPT, SamplingParams(max_new_tokens=200))
-    assert generator.engine.has_unfinished_requests
+    assert engine.has_unfinished_requests
+    # The new stream waits for the open one (one sequence at a time) and leaves it whole.
     assert generator.generate(PROMPT, params).token_ids == expected
-    assert not generator.engine.has_unfinished_requests
-    assert generator.engine.block_manager.usage == 0
+    assert "".join(pieces) and first.is_finished and first.token_ids == expected_first
+
+    # Leaving an iteration early, closing, or dropping a stream aborts that request only.
+    kept = generator.stream(PROMPT, params)
+    for _ in generator.stream("the cat", params):
+        break
+    generator.stream("the cat", params).close()
+    dropped = generator.stream("the cat", params)
+    del dropped
+    # The first stream read ran the queued one to its end first: its output waited for it.
+    assert kept.consume().token_ids == expected
+    assert not engine.has_unfinished_requests
+    assert engine.block_manager.usage == 0

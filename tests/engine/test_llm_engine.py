@@ -3,12 +3,14 @@ runs give what one request at a time gives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import PagedKVCache
@@ -17,7 +19,7 @@ from fastdraft.llm import LLM
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.speculative.config import SpeculativeConfig
 from tests.helpers import paged_batch
 
 PROMPTS = ["def add(a, b):", "class Model:\n    def __init__(self):", "import os\n", "x = 1\ny = 2\n" * 6,
@@ -46,8 +48,8 @@ def test_engine_matches_one_request_at_a_time(loaded, engine_config):
     expected = single_runs(loaded, PROMPTS, params)
     engine = LLMEngine(loaded, engine_config)
     outputs = run_to_completion(engine, PROMPTS, params)
-    assert [o.token_ids for o in outputs] == expected
-    assert all(o.finish_reason == "length" for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outputs)
     if engine_config.num_blocks == 24:
         assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine_config.num_blocks  # every block returned
@@ -70,7 +72,7 @@ def test_shared_prefixes_hit_the_cache_and_change_nothing(loaded):
     params = [SamplingParams(max_new_tokens=6, temperature=0.8, seed=7, ignore_eos=True)] * 3
     expected = single_runs(loaded, prompts, params)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=128, block_size=4, max_num_seqs=1))
-    assert [o.token_ids for o in run_to_completion(engine, prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, params)] == expected
     assert engine.block_manager.num_prefix_hits > 0
 
 
@@ -112,18 +114,26 @@ def test_llm_generate_batches_and_keeps_prompt_order(tiny_models):
         llm.generate(PROMPTS, per_prompt[:2], use_tqdm=False)
 
 
+def _with_eos(loaded, *eos_token_ids):
+    """``loaded`` with ``eos_token_ids`` as its end-of-sequence tokens."""
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, eos_token_id=list(eos_token_ids)))
+
+
 def test_stop_strings_eos_and_abort(tiny_models):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
     sampled = dict(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
-    free_run = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled)])[0]
+    free_run = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled)])[0].outputs[0]
     assert len(free_run.text) > 2
     stop = free_run.text[1:3]
-    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, stop=[stop])])[0]
+    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, stop=[stop])])[0].outputs[0]
     assert out.finish_reason == "stop" and stop not in out.text and free_run.text.startswith(out.text)
+    # The text ends before the stop string; the tokens, at the one that completed it.
+    assert free_run.token_ids[:len(out.token_ids)] == out.token_ids and len(out.token_ids) < len(free_run.token_ids)
     first = free_run.token_ids[0]
-    engine.eos_token_ids = {first}
-    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)])[0]
+    eos_engine = LLMEngine(_with_eos(loaded, first), EngineConfig(num_blocks=64, block_size=4))
+    out = run_to_completion(eos_engine, ["def add(a, b):"],
+                            [SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)])[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == [first] and out.text == ""
     request_id = engine.add_request("def add(a, b):", SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
@@ -136,13 +146,14 @@ def test_streams_read_in_turn_see_every_output(tiny_models):
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 6)]
-    a, b = engine.generate("def add(a, b):", params[0]), engine.generate("import os", params[1])
+    ids = engine.add_request("def add(a, b):", params[0]), engine.add_request("import os", params[1])
+    a, b = engine.outputs(ids[0]), engine.outputs(ids[1])
     pieces_a, pieces_b = [next(a)], [next(b)]
     pieces_a += list(a)
     pieces_b += list(b)
-    assert [len(o.token_ids) for o in pieces_a] == [1, 2, 3] and pieces_a[-1].is_finished
-    assert [len(o.token_ids) for o in pieces_b] == [1, 2, 3, 4, 5, 6] and pieces_b[-1].is_finished
-    assert "".join(o.new_text for o in pieces_b) == pieces_b[-1].text
+    assert [len(d.new_token_ids) for d in pieces_a] == [1, 1, 1] and pieces_a[-1].is_finished
+    assert [len(d.new_token_ids) for d in pieces_b] == [1] * 6 and pieces_b[-1].is_finished
+    assert [d.is_finished for d in pieces_b] == [False] * 5 + [True]
     assert not engine.has_unfinished_requests
 
 
@@ -197,12 +208,13 @@ def test_engine_extras_min_tokens_and_logprobs_with_and_without_speculation(tiny
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=4))
     sampled = dict(max_new_tokens=8, temperature=1.0, seed=5)
-    first = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, ignore_eos=True)])[0]
-    engine.eos_token_ids.add(first.token_ids[0])  # the first token now ends the request...
-    out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, min_tokens=3)])[0]
+    first = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(**sampled, ignore_eos=True)])[0].outputs[0]
+    eos = set(loaded.config.eos_token_ids or []) | {first.token_ids[0]}  # the first token now ends the request...
+    eos_engine = LLMEngine(_with_eos(loaded, *eos), EngineConfig(num_blocks=64, block_size=4))
+    out = run_to_completion(eos_engine, ["def add(a, b):"], [SamplingParams(**sampled, min_tokens=3)])[0].outputs[0]
     assert len(out.token_ids) >= 3 and first.token_ids[0] not in out.token_ids[:3]  # ...but not before 3
     out = run_to_completion(engine, ["def add(a, b):"], [SamplingParams(max_new_tokens=4, logprobs=3,
-                                                                          ignore_eos=True)])[0]
+                                                                          ignore_eos=True)])[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, (chosen, top) in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and top[0][0] == token and chosen == pytest.approx(top[0][1])  # greedy: the top one
@@ -227,7 +239,7 @@ def test_block_sizes_that_are_not_powers_of_two_run_the_module_path(tiny_models)
         # The C++ decoder needs the x86 kernels; without them every block size runs the modules.
         has_decoder = block_size == 4 and load_cpu_kernels() is not None
         assert (engine.runner.decoder is not None) == has_decoder
-        outputs[block_size] = [o.token_ids for o in run_to_completion(engine, PROMPTS[:3], params)]
+        outputs[block_size] = [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS[:3], params)]
     # PyTorch's attention rounds otherwise than the C++ kernel's: the same lengths, not the same bits.
     assert [len(t) for t in outputs[6]] == [len(t) for t in outputs[4]] == [6, 6, 6]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

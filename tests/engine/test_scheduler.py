@@ -51,7 +51,7 @@ def run(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> 
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + num
             if seq.num_computed_tokens + num == seq.num_tokens:
                 sampled[seq.seq_id] = [next_token(seq.token_ids)]
-        scheduler.update(out, sampled, {EOS})
+        scheduler.update(out, sampled)
     else:
         pytest.fail("the scheduler did not finish")
     assert all(b.ref_count == 0 for b in bm.blocks), "blocks still held after every request ended"
@@ -162,7 +162,7 @@ def test_bad_sizes_are_refused():
         BlockManager(0, 16)
     with pytest.raises(ValueError):
         SchedulerConfig(max_num_batched_tokens=0)
-    scheduler = Scheduler(SchedulerConfig(), BlockManager(num_blocks=2, block_size=4))
+    scheduler = Scheduler(SchedulerConfig(), BlockManager(num_blocks=2, block_size=4), {EOS})
     with pytest.raises(ValueError, match="cache blocks"):
         scheduler.add(seq_of(range(1, 10), max_new_tokens=4))  # 13 tokens > 8 slots
 
@@ -172,16 +172,16 @@ def test_bad_sizes_are_refused():
 
 def test_unhurried_run_matches_the_reference():
     seqs = [seq_of(p, request_id=str(i)) for i, p in enumerate(prompts(4, 12))]
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256), BlockManager(64, 4))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256), BlockManager(64, 4), {EOS})
     assert run(scheduler, seqs) == reference_outputs(seqs)
 
 
 def test_chunked_prefill_interleaves_with_decodes():
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), BlockManager(64, 4))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), BlockManager(64, 4), {EOS})
     short = seq_of([1, 2, 3], max_new_tokens=20, request_id="short")
     scheduler.add(short)
     out = scheduler.schedule()
-    scheduler.update(out, {short.seq_id: [next_token(short.token_ids)]}, {EOS})
+    scheduler.update(out, {short.seq_id: [next_token(short.token_ids)]})
     long = seq_of(list(range(1, 41)), max_new_tokens=4, request_id="long")  # 40 tokens: 5+ chunks
     scheduler.add(long)
     chunks = []
@@ -191,13 +191,13 @@ def test_chunked_prefill_interleaves_with_decodes():
         chunks.append(dict(zip([s.request_id for s in out.seqs], out.num_scheduled_tokens))["long"])
         sampled = {s.seq_id: [next_token(s.token_ids)] for s, n in zip(out.seqs, out.num_scheduled_tokens)
                    if s.num_computed_tokens + n == s.num_tokens}
-        scheduler.update(out, sampled, {EOS})
+        scheduler.update(out, sampled)
     assert chunks == [7, 7, 7, 7, 7, 5] and len(short.output_token_ids) == 7
 
 
 def test_without_chunking_a_request_must_fit_one_step():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=14, enable_chunked_prefill=False),
-                          BlockManager(64, 4))
+                          BlockManager(64, 4), {EOS})
     with pytest.raises(ValueError, match="chunked prefill is off"):
         scheduler.add(seq_of(list(range(1, 13)), max_new_tokens=8))  # may reach 19 tokens to recompute
     scheduler.add(seq_of(list(range(1, 13)), max_new_tokens=2))
@@ -213,7 +213,7 @@ def test_preemption_when_the_pool_runs_out_leaves_the_output_unchanged(chunked):
     # 6 sequences of 12 prompt + 16 new tokens need 6 * 7 blocks of 4; the pool has 16.
     seqs = [seq_of(p, max_new_tokens=16, request_id=str(i)) for i, p in enumerate(prompts(6, 12, seed=1))]
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, enable_chunked_prefill=chunked),
-                          BlockManager(16, 4))
+                          BlockManager(16, 4), {EOS})
     assert run(scheduler, seqs) == reference_outputs(seqs)
     assert scheduler.num_preemptions > 0
     assert all(s.status is SequenceStatus.FINISHED and s.finish_reason == "length" for s in seqs)
@@ -223,12 +223,12 @@ def test_shared_prefixes_are_computed_once():
     seqs = [seq_of(p, max_new_tokens=4, request_id=str(i)) for i, p in enumerate(prompts(5, 20, seed=2,
                                                                                          shared_prefix=16))]
     bm = BlockManager(64, 4)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, {EOS})
     scheduler.add(seqs[0])
     computed = 0
     first = scheduler.schedule()
     computed += first.num_tokens
-    scheduler.update(first, {seqs[0].seq_id: [next_token(seqs[0].token_ids)]}, {EOS})
+    scheduler.update(first, {seqs[0].seq_id: [next_token(seqs[0].token_ids)]})
     outputs = run(scheduler, seqs[1:])
     assert outputs == {k: v for k, v in reference_outputs(seqs[1:]).items()}
     assert bm.num_prefix_hits == 4 * 16  # each later prompt found the 16 shared tokens
@@ -238,19 +238,19 @@ def test_shared_prefixes_are_computed_once():
 def test_prefix_caching_off_computes_everything():
     seqs = [seq_of(p, max_new_tokens=2, request_id=str(i)) for i, p in enumerate(prompts(3, 12, shared_prefix=8))]
     bm = BlockManager(64, 4, enable_prefix_caching=False)
-    assert run(Scheduler(SchedulerConfig(), bm), seqs) == reference_outputs(seqs)
+    assert run(Scheduler(SchedulerConfig(), bm, {EOS}), seqs) == reference_outputs(seqs)
     assert bm.num_prefix_hits == 0
 
 
 def test_eos_finishes_a_request_and_abort_frees_its_blocks():
     bm = BlockManager(32, 4)
-    scheduler = Scheduler(SchedulerConfig(), bm)
+    scheduler = Scheduler(SchedulerConfig(), bm, {EOS})
     stopper = seq_of([1, 2, 3], max_new_tokens=10, request_id="stop", ignore_eos=False)
     other = seq_of([4, 5, 6], max_new_tokens=10, request_id="other")
     scheduler.add(stopper)
     scheduler.add(other)
     out = scheduler.schedule()
-    finished = scheduler.update(out, {stopper.seq_id: [EOS], other.seq_id: [7]}, {EOS})
+    finished = scheduler.update(out, {stopper.seq_id: [EOS], other.seq_id: [7]})
     assert finished == [stopper] and stopper.finish_reason == "stop" and stopper.output_token_ids == [EOS]
     assert scheduler.abort("other") is other and other.finish_reason == "abort"
     assert scheduler.abort("unknown") is None
@@ -259,5 +259,5 @@ def test_eos_finishes_a_request_and_abort_frees_its_blocks():
 
 def test_max_num_seqs_bounds_the_running_set():
     seqs = [seq_of(p, max_new_tokens=3, request_id=str(i)) for i, p in enumerate(prompts(5, 6))]
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(64, 4))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(64, 4), {EOS})
     assert run(scheduler, seqs) == reference_outputs(seqs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.fused import per_token_attention
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache, Span, flat_batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache

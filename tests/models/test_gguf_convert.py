@@ -12,7 +12,7 @@ from fastdraft.config import ModelConfig
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf
-from fastdraft.models.loader import load_state_dict
+from fastdraft.models.files import load_state_dict
 from fastdraft.tokenizer import Tokenizer
 from tests.helpers import CHAT_TEMPLATE, llama_cpp_permute, write_tiny_gguf
 

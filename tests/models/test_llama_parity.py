@@ -7,7 +7,7 @@ import torch
 
 from fastdraft.config import ModelConfig
 from fastdraft.layers.kv_cache import SequenceCache
-from fastdraft.models.loader import build_model, load_state_dict
+from fastdraft.models.files import build_model, load_state_dict
 from tests.helpers import append_pass
 
 ATOL = 1e-4

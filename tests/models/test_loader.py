@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from fastdraft.config import ModelConfig
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
-from fastdraft.models.loader import build_model, load_state_dict, parse_dtype, resolve_model_dir
+from fastdraft.models.files import build_model, load_state_dict, parse_dtype, resolve_model_dir
 from tests.helpers import write_tiny_gguf
 
 

@@ -70,7 +70,7 @@ def test_models_health_and_metrics(live):
 
 
 def test_speculative_server_streams_plain_greedy_output_and_exports_acceptance(loaded):
-    from fastdraft.spec.config import SpeculativeConfig
+    from fastdraft.speculative.config import SpeculativeConfig
 
     speculation = SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0)
     server = LiveServer(loaded, EngineConfig(num_blocks=512, block_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=8),

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.sequence import Sequence
@@ -17,9 +17,9 @@ from fastdraft.engine.speculation import DraftBatch
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig, build_proposer, check_vocab_compatible
-from fastdraft.spec.draft_length import FREE, DraftLengthPolicy, PassCost
-from fastdraft.spec.proposer import NgramIndex, NgramProposer, _match_vocab
+from fastdraft.speculative.config import SpeculativeConfig, build_proposer, check_vocab_compatible
+from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost
+from fastdraft.speculative.proposer import NgramIndex, NgramProposer, _match_vocab
 from tests.helpers import append_pass
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "for i in range(10):\n    print(i)\n" * 2,

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.speculative.config import SpeculativeConfig
 
 pytestmark = [
     pytest.mark.cuda,

@@ -11,12 +11,12 @@ from fastdraft.engine.sequence import Sequence
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec import draft_vocab
-from fastdraft.spec.config import SpeculativeConfig
-from fastdraft.spec.draft_length import DraftLengthPolicy, PassCost
-from fastdraft.spec.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
-from fastdraft.spec.proposer import DraftModelProposer
-from fastdraft.spec.speculator import EngineSpeculator
+from fastdraft.speculative import draft_vocab
+from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.draft_length import DraftLengthPolicy, PassCost
+from fastdraft.speculative.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
+from fastdraft.speculative.proposer import DraftModelProposer
+from fastdraft.speculative.speculator import EngineSpeculator
 from tests.spec.test_engine_spec import PROMPTS, next_token_logits
 
 

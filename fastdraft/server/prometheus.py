@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from fastdraft.engine.llm_engine import RequestOutput
-from fastdraft.server.async_engine import StepStats
+from fastdraft.engine.output import RequestCollector, RequestDelta
+from fastdraft.server.engine_client import StepStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -65,17 +65,20 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
         self._last = stats
 
-    def record_token(self, out: RequestOutput) -> None:
-        """After each output of a request: its new token's latency."""
-        metrics = out.metrics
-        self.generation_tokens.inc(len(out.new_token_ids))
-        if metrics.num_generated_tokens == 1:
-            self.ttft.observe(metrics.ttft_s)
-            self.prompt_tokens.inc(metrics.num_prompt_tokens)
-        elif metrics.token_latencies_s:
-            self.tpot.observe(metrics.token_latencies_s[-1])
-        if out.is_finished and metrics.spec is not None:
-            spec = metrics.spec
+    def record_delta(self, delta: RequestDelta, request: RequestCollector) -> None:
+        """After each delta of a request (``request``: what its deltas added up to, this one
+        included): its tokens' latency; at the end, the request's totals."""
+        self.generation_tokens.inc(len(delta.new_token_ids))
+        if delta.ttft_s is not None:
+            self.ttft.observe(delta.ttft_s)
+            self.prompt_tokens.inc(len(request.prompt_token_ids))
+        elif delta.new_token_ids:
+            self.tpot.observe(delta.token_gap_s)
+        if not delta.is_finished:
+            return
+        metrics = request.metrics
+        spec = metrics.spec
+        if spec is not None:
             self.spec_drafts.inc(spec.num_steps)
             self.spec_draft_tokens.inc(spec.num_draft_tokens)
             self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
@@ -83,6 +86,5 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.labels(position=str(position), **self.labels).inc(accepted)
             for k, steps in enumerate(spec.steps_per_draft_length):
                 self.spec_steps_per_k.labels(draft_length=str(k), **self.labels).inc(steps)
-        if out.is_finished:
-            self.e2e.observe(metrics.ttft_s + sum(metrics.token_latencies_s))
-            self.request_success.labels(finished_reason=out.finish_reason or "abort", **self.labels).inc()
+        self.e2e.observe(metrics.ttft_s + sum(metrics.token_latencies_s))
+        self.request_success.labels(finished_reason=delta.finish_reason, **self.labels).inc()

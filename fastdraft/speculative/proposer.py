@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
@@ -24,32 +22,13 @@ from fastdraft.layers.kv_cache import Span, flat_batch
 from fastdraft.layers.sampler import batched_probs, greedy_ids, sample_from_probs
 
 
-class Proposer(Protocol):
-    """Guesses continuations for a batch of decoding sequences, and keeps whatever per-sequence
-    state that takes in step with what verification kept."""
-
-    def pending_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` the proposer must compute before its first draft token (its
-        cost is charged to speculation: the draft's prompt, for a separate draft)."""
-
-    def propose(self, seqs: list[Sequence], num_tokens: list[int], generators: list[torch.Generator]) -> DraftBatch:
-        """Up to ``num_tokens[i]`` tokens continuing each of ``seqs``; sampled requests draw
-        from their ``generators``."""
-
-    def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
-        """``seq``'s tokens now hold what verification kept: roll back what the rest invalidated."""
-
-    def release(self, seq: Sequence) -> None:
-        """``seq`` finished or was aborted: free what the proposer holds for it."""
-
-
 class DraftModelProposer:
     """Drafts by running a draft model autoregressively over a batch of sequences.
 
     ``runner`` runs the draft: over its own cache and block manager, or, with
     ``shares_target_cache``, over the target's (a self-draft of the same shape). ``token_ids``
     [draft_vocab]: the vocabulary ids of the draft head's rows when the head keeps only
-    frequent tokens (spec/draft_vocab.py); ``vocab_size``: the target's vocabulary.
+    frequent tokens (speculative/draft_vocab.py); ``vocab_size``: the target's vocabulary.
 
     ``min_confidence`` > 0: a sequence stops drafting after a token whose draft probability
     (at its sampling temperature; of the softmax for greedy requests) fell below it: later
@@ -63,8 +42,8 @@ class DraftModelProposer:
         self.shares_target_cache = shares_target_cache
         self.min_confidence = min_confidence
         self.token_ids = token_ids
-        # A separate draft's view of each target sequence: the tokens it has computed
-        # (``prompt_token_ids``) in the draft's blocks.
+        # A separate draft's view of each target sequence: its ``token_ids`` are the target's
+        # tokens the draft has computed in its own blocks (then the drafts fed back).
         self._shadows: dict[int, Sequence] = {}
 
     def pending_tokens(self, seq: Sequence) -> int:
@@ -82,14 +61,15 @@ class DraftModelProposer:
             return Span([seq.token_ids[-1]], seq.num_computed_tokens, seq.block_table)
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = self._shadows[seq.seq_id] = Sequence(list(seq.prompt_token_ids))
+            shadow = self._shadows[seq.seq_id] = Sequence(seq.prompt_token_ids)
         pending = seq.token_ids[shadow.num_computed_tokens:]
         # Room for the pending tokens and the drafts fed back (all but the last).
         if not self.runner.block_manager.append_slots(shadow, len(pending) + num_draft - 1):
             self.release(seq)
             return None
         span = Span(pending, shadow.num_computed_tokens, shadow.block_table)
-        shadow.prompt_token_ids = seq.token_ids
+        del shadow.token_ids[shadow.num_computed_tokens:]  # its computed tokens are the target's
+        shadow.token_ids.extend(pending)
         shadow.num_computed_tokens += len(pending)
         return span
 
@@ -119,7 +99,7 @@ class DraftModelProposer:
         for i, seq in enumerate(seqs):
             if not self.shares_target_cache and draft_ids[i]:  # the drafts fed back are computed
                 shadow = self._shadows[seq.seq_id]
-                shadow.prompt_token_ids = seq.token_ids + draft_ids[i][:-1]
+                shadow.token_ids.extend(draft_ids[i][:-1])
                 shadow.num_computed_tokens += len(draft_ids[i]) - 1
         probs = None
         if is_sampled:
@@ -163,13 +143,13 @@ class DraftModelProposer:
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
             return
-        computed, committed = shadow.prompt_token_ids, seq.token_ids
+        computed, committed = shadow.token_ids, seq.token_ids
         num_valid = 0
         limit = min(shadow.num_computed_tokens, len(committed) - 1)
         while num_valid < limit and computed[num_valid] == committed[num_valid]:
             num_valid += 1
         shadow.num_computed_tokens = num_valid
-        shadow.prompt_token_ids = committed[:max(num_valid, 1)]
+        del computed[max(num_valid, 1):]
         self.runner.block_manager.trim(shadow)
 
     def release(self, seq: Sequence) -> None:

@@ -4,10 +4,10 @@ import gc
 
 import pytest
 
-from fastdraft.engine.generate import TextGenerator
+from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.spec.config import SpeculativeConfig
+from fastdraft.speculative.config import SpeculativeConfig
 
 pytestmark = pytest.mark.real_model
 
@@ -51,7 +51,7 @@ def test_draft_model_pair_equals_plain_greedy(real_model_dir):
 def test_vocab_check_accepts_the_pair(real_model_dir):
     """The two Qwen models share a byte-identical tokenizer: no mismatch error."""
     from fastdraft.models.registry import pull
-    from fastdraft.spec.config import check_vocab_compatible
+    from fastdraft.speculative.config import check_vocab_compatible
 
     small = load_model(real_model_dir, dtype="bf16")
     check_vocab_compatible(small, small)

@@ -1,4 +1,5 @@
-"""Resolve a model reference (known name, HF folder or .gguf file) and load it."""
+"""A model's files: a reference (known name, HF folder or .gguf file) resolved to a folder, its
+weights read, and the module built from them."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ class DraftLengthPolicy:
         pending = self.pending_tokens(seq) - 1
         if pending <= 0:
             return 0.0
-        remaining = seq.params.max_new_tokens - len(seq.output_token_ids)
+        remaining = seq.params.max_new_tokens - seq.num_output_tokens
         return self.draft_cost(pending) / max(remaining * STEPS_PER_REMAINING_TOKEN, 1.0)
 
     def update(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:

@@ -1,93 +1,57 @@
-"""Speculative decoding configuration and proposer construction."""
+"""Building the engine's speculator from a :class:`SpeculativeConfig`: the draft (loaded,
+made from the target, or none for n-grams), quantized and with its reduced vocabulary; its
+proposer and cache; the draft-length policy with the pass costs it weighs, timed at start."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.speculation import Speculator, SpeculatorFactory
 from fastdraft.fileio import fastdraft_home
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.linear import is_dense_linear
-from fastdraft.models.loader import LoadedModel, build_model, load_state_dict, parse_device
+from fastdraft.models.files import LoadedModel, build_model, load_state_dict
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
-from fastdraft.spec.draft_length import FREE, DraftLengthPolicy, measure_pass_cost
-from fastdraft.spec.draft_vocab import frequent_token_ids, restrict_lm_head
-from fastdraft.spec.proposer import DraftModelProposer, NgramProposer
-from fastdraft.spec.speculator import EngineSpeculator
+from fastdraft.speculative.config import NGRAM, SELF, SpeculativeConfig
+from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, measure_pass_cost
+from fastdraft.speculative.draft_vocab import frequent_token_ids, restrict_lm_head
+from fastdraft.speculative.proposer import DraftModelProposer, NgramProposer
 
 logger = logging.getLogger(__name__)
 
-SELF = "self"
-NGRAM = "ngram"
+
+def speculator_factory(config: SpeculativeConfig, draft: LoadedModel | None = None) -> SpeculatorFactory:
+    """What :class:`~fastdraft.engine.llm_engine.LLMEngine` takes to speculate as ``config``
+    says; ``draft``: an already loaded draft model to use (HF's ``assistant_model``). It is
+    picklable when ``draft`` is None (an engine process builds its speculator itself)."""
+    return functools.partial(build_speculator, config, draft=draft)
 
 
-@dataclass
-class SpeculativeConfig:
-    """How to speculate.
-
-    ``draft`` is ``"self"`` (the target's own INT4 copy, made at load time), ``"ngram"``
-    (prompt lookup), or a model of the same tokenizer (known name, HF folder or .gguf).
-    """
-
-    draft: str = SELF
-    num_speculative_tokens: int = 4
-    is_adaptive: bool = True  # k per sequence from acceptance, batch size and costs; 0 when it does not pay
-    # A sequence stops a step's drafting after a token whose draft probability fell below this
-    # (0: never).
-    min_confidence: float = 0.5
-    draft_low_bit: str | None = "sym_int4"  # how the draft is quantized on load (None: as stored)
-    draft_group_size: int = 128
-    # The draft's LM head: 4 (INT4, like its linears), 8 (INT8 per channel) or 16. A draft only
-    # proposes, so a coarser head costs acceptance, never exactness; for Qwen2.5-Coder-0.5B the
-    # INT8 head is 40% of the bytes a draft step reads.
-    draft_lm_head_bits: int = 4
-    # The draft's LM head keeps only this many tokens: the special ones, then the most frequent
-    # of the calibration corpus (spec/draft_vocab.py). Exact whatever the size; None keeps all.
-    draft_vocab_size: int | None = 32768
-    draft_dtype: str | None = None  # a separate draft's dtype; default: the target's
-    draft_device: str | None = None  # e.g. "cpu" beside a CUDA target; default: the target's
-    is_cache_shared: bool = True  # "self" on the target's device: draft writes into the target's KV cache
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 7:
-            raise ValueError(f"num_speculative_tokens must be in 1..7, got {self.num_speculative_tokens}")
-        if not 0.0 <= self.min_confidence < 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
-        if self.draft_low_bit not in ("sym_int4", "asym_int4", "int8", None):
-            raise ValueError(f"draft_low_bit must be sym_int4, asym_int4 or int8, got {self.draft_low_bit!r}")
-        if self.draft_lm_head_bits not in (4, 6, 8, 16):
-            raise ValueError(f"draft_lm_head_bits must be 4, 6, 8 or 16, got {self.draft_lm_head_bits}")
-        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
-                                                  or self.draft_vocab_size < 1):
-            raise ValueError(f"draft_vocab_size must be a positive int or None, got {self.draft_vocab_size!r}")
-        if not self.draft:
-            raise ValueError("draft must name 'self', 'ngram' or a model")
-        if self.draft_device is not None:
-            parse_device(self.draft_device, "draft_device")
-
-    def start(self, target: LoadedModel, runner: ModelRunner, max_num_seqs: int,
-              draft: LoadedModel | None = None) -> EngineSpeculator:
-        """The engine's speculator for ``target``, drafting beside its ``runner`` (which runs
-        up to ``max_num_seqs`` sequences a step) with the proposer this config describes, its
-        costs timed now (a few passes, about a second)."""
-        proposer = build_proposer(self, target, runner, draft)
-        target_cost = draft_cost = FREE
-        if self.is_adaptive:  # a fixed draft length needs no costs
-            max_tokens = max_num_seqs * (self.num_speculative_tokens + 1)
-            target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
-                                            min(64, max_tokens, runner.block_manager.num_free_blocks))
-            if isinstance(proposer, DraftModelProposer):
-                draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
-                                               min(64, proposer.runner.block_manager.num_free_blocks))
-        policy = DraftLengthPolicy(self.num_speculative_tokens, target_cost, draft_cost, self.is_adaptive,
-                                   pending_tokens=proposer.pending_tokens)
-        return EngineSpeculator(proposer, policy)
+def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: ModelRunner, max_num_seqs: int,
+                     draft: LoadedModel | None = None) -> Speculator:
+    """The engine's speculator for ``target``, drafting beside its ``runner`` (which runs up
+    to ``max_num_seqs`` sequences a step) with the proposer ``config`` describes, its costs
+    timed now (a few passes, about a second)."""
+    proposer = build_proposer(config, target, runner, draft)
+    target_cost = draft_cost = FREE
+    if config.is_adaptive:  # a fixed draft length needs no costs
+        max_tokens = max_num_seqs * (config.num_speculative_tokens + 1)
+        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
+                                        min(64, max_tokens, runner.block_manager.num_free_blocks))
+        if isinstance(proposer, DraftModelProposer):
+            draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
+                                           min(64, proposer.runner.block_manager.num_free_blocks))
+    policy = DraftLengthPolicy(config.num_speculative_tokens, target_cost, draft_cost, config.is_adaptive,
+                               pending_tokens=proposer.pending_tokens)
+    return Speculator(proposer, policy)
 
 
 # Context of the sequences a cost is timed with: attention is part of every pass's cost.
