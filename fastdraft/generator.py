@@ -103,7 +103,6 @@ class TextGenerator:
             # compile is not counted in the first request's TTFT.
             load_cpu_kernels()
         self.tokenizer: Tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.config.eos_token_ids
         self.speculative = speculative
         config = engine_config or EngineConfig(max_num_seqs=1, max_model_len=max_seq_len)
         factory = None if speculative is None else speculator_factory(speculative, draft)

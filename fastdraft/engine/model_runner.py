@@ -30,7 +30,7 @@ class ModelRunner:
     :func:`~fastdraft.kernels.mode.batch_invariant` mode, where every kernel is row-invariant)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 eos_token_ids: set[int] | None = None, batch_invariant: bool = True) -> None:
+                 eos_token_ids: frozenset[int] | set[int] | None = None, batch_invariant: bool = True) -> None:
         if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
             raise ValueError("the KV cache and the block manager must agree on block size and count")
         self.model = model
@@ -41,7 +41,8 @@ class ModelRunner:
         # path (hooks, no CPU kernels, CUDA, a block size the C++ attention does not take).
         self.decoder = model.fused_decoder() if is_paged_block_size(kv_cache.block_size) else None
         self._generators: dict[int, torch.Generator] = {}
-        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else set()  # the engine's own set
+        # Masked while a request is short of its min_tokens (the scheduler owns finishing on them).
+        self.eos_token_ids = frozenset(eos_token_ids or ())
         # The log-probabilities of the last step's sampled tokens, for requests that ask
         # (seq_id -> (chosen token's logprob, [(token id, logprob)] of the top ``logprobs``)).
         self.last_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
