@@ -8,10 +8,10 @@ server's engine process, the benchmarks; a program that embeds fastdraft may cal
 **malloc.** Every decode step allocates and frees the same large tensors: the logits ([rows,
 vocab] fp32, 0.6 MB a row for Qwen's 152k vocabulary) and, when sampling, the distributions
 derived from them. With glibc's defaults such a block is mmap'ed afresh, or handed back to the
-kernel when it is freed at the top of the heap, so each step page-faults it in again, at about
-1.3 us per 4 KB page on a cloud VM: a softmax over [4, 152k] logits can take 1.6-2.2 ms instead
-of 0.2 ms (in about half of all processes, depending on how their heap happens to be laid out),
-and speculative sampling can lose about 3.6 ms a verification step to it. :func:`tune_malloc`
+kernel when it is freed at the top of the heap, so each step page-faults it in again, a fault
+for every 4 KB page: the faults can cost a softmax over the logits far more than its arithmetic
+(in some processes and not others, depending on how their heap happens to be laid out), and
+they add up over the several such tensors of a speculative verification step. :func:`tune_malloc`
 raises both thresholds so that freed blocks stay in the heap for the next step, which is what
 the jemalloc / tcmalloc preloads that ipex-llm and vLLM's CPU backend recommend achieve.
 

@@ -80,8 +80,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 # cuDNN's attention builds an execution plan for every new shape, and decoding changes the key
-# length at every step (about 2 ms of host time per call on an H100, most of a 0.5B model's
-# decode step). The other CUDA backends need no per-shape setup.
+# length at every step: host time per call that would dominate a small model's decode step.
+# The other CUDA backends need no per-shape setup.
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -186,8 +186,9 @@ def reference_dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; for up to 8 bf16 rows on a CPU with AVX512-BF16, fastdraft's
-    dot-product kernel (``csrc/woq_x86.cpp``), which reads the weight 1.5-1.95x faster than
-    oneDNN at one row and computes each row the same way whatever the number of rows. In
+    dot-product kernel (``csrc/woq.cpp``), which reads the weight faster than oneDNN at one
+    row (it prefetches the short row streams that the hardware prefetcher falls behind on) and
+    computes each row the same way whatever the number of rows. In
     :func:`~fastdraft.kernels.mode.batch_invariant` mode, that kernel runs at every row count."""
     is_autograd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     ext = None if is_autograd or x.dtype != torch.bfloat16 else _extension_for(x, weight)

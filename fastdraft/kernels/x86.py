@@ -26,8 +26,9 @@ row-invariant: verifying k drafted tokens reproduces one-token decoding bit for 
 
 On CPUs with AMX-BF16, calls with at least ``large_m`` rows (prefill; :data:`AMX_LARGE_M`)
 instead dequantize the weight (in C++) and run oneDNN's bf16 GEMM on the AMX tiles. Without
-AMX the VNNI kernel is the faster one at every M (on an AVX-512 EPYC, 1.5x oneDNN's bf16 GEMM
-at M = 1024), so it serves prefill too.
+AMX the VNNI kernel is the faster one at every M (its int8 dot products do twice as many
+multiply-adds an instruction as bf16 ones, and it needs no dequantized copy), so it serves
+prefill too.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from fastdraft.kernels.mode import is_batch_invariant
 TILE = 16
 K_ALIGN = 128
 # Rows from which dequantize + AMX GEMM takes over, on AMX CPUs. Dequantizing costs a pass over
-# the whole weight per call, so VNNI wins at small M: on Sapphire Rapids, VNNI 1.2x faster at
-# 128 rows, AMX 1.24x faster at 192.
+# the whole weight per call, so VNNI wins at small M; AMX's tiles repay that pass only over
+# enough rows. The crossover was timed on Sapphire Rapids.
 AMX_LARGE_M = 160
 
 

@@ -1,10 +1,12 @@
-"""Several linears that read the same input (q/k/v, gate/up), run as one matmul.
+"""Dense linears, and several linears that read the same input (q/k/v, gate/up) run as one matmul.
 
-At batch 1 a decode step is bound by reading weights, and every extra kernel call adds fixed
-overhead: one call over the concatenated weight reads the same bytes in fewer, longer streams.
-The fused matmul is derived state that its builder's caller owns (the C++ decoder); the
-modules keep HF's parameter names and run their projections one by one. Dense linears are
-re-pointed at row slices of the fused weight, so no memory is duplicated.
+:class:`Linear` is ``nn.Linear`` with fastdraft's dense kernel; :func:`is_dense_linear` tells
+it (or ``nn.Linear``) from the quantized ``QuantLinear``. :func:`fused_linear` builds one matmul
+over the concatenated weights of linears that share an input: at batch 1 a decode step is
+bound by reading weights, and every extra kernel call adds fixed overhead, so one call reads
+the same bytes in fewer, longer streams. The fused matmul is derived state that its caller owns
+(the C++ decoder); the modules keep HF's parameter names and run their projections one by one.
+Dense linears are re-pointed at row slices of the fused weight, so no memory is duplicated.
 """
 
 from __future__ import annotations

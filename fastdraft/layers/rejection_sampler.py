@@ -65,8 +65,8 @@ def verify_sampled(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, tar
     over those tokens only (every other token has draft probability 0).
 
     On the CPU the C++ ``rejection_sample`` runs it in one call (about 25 torch calls in its
-    twin :func:`reference_verify_sampled`, 0.5 ms a step with cold caches), with the same
-    uniforms and the same rule.
+    twin :func:`reference_verify_sampled`, each meeting cold caches in a decode loop), with the
+    same uniforms and the same rule.
     """
     return _verify_sampled(draft_token_ids, draft_probs, target_probs, generator, draft_vocab_ids, False)
 

@@ -36,10 +36,10 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, [..., vocab_size] -> [...] int64: ``argmax``,
     the first index on ties and at a NaN, as ``torch.argmax`` gives.
 
-    On the CPU, ``torch.argmax`` over a 152k-token fp32 row takes 130-260 us, about 1% of a
-    1.5B decode step. The C++ ``argmax_rows`` (or numpy's argmax without the
-    extension) takes about 15 us, and in a decode loop, where the weight stream has evicted
-    the interpreter's working set, each Python-level call costs 10-30 us: hence one call."""
+    On the CPU, ``torch.argmax`` over a 152k-token fp32 row is far slower than the
+    C++ ``argmax_rows`` (or numpy's argmax without the extension), and in a decode loop, where
+    the weight stream has evicted the interpreter's working set, each Python-level call costs
+    about as much as the argmax itself: hence one call."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(dim=-1)
     ext = load_cpu_kernels()
@@ -55,14 +55,14 @@ _CDF_BLOCK = 128  # tokens per block of the two-level search
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of ``probs`` [..., vocab_size] -> ids [...].
 
-    Inverse-CDF sampling with one uniform per row: exact, and much cheaper than
-    ``torch.multinomial`` over a 152k vocabulary (2.3 ms per row on the CPU). Sums are float64 so
+    Inverse-CDF sampling with one uniform per row, one pass of sums and a search: exact, and
+    much cheaper than ``torch.multinomial`` over a 152k vocabulary. Sums are float64 so
     rounding cannot move mass between tokens, and a zero-probability token is never drawn: its
     CDF entry equals its predecessor's, which the search finds first.
 
     On the CPU the C++ ``sample_rows`` draws, in one call; its twin
-    :func:`reference_sample_from_probs` (every other device) takes 14 torch calls, 0.3 ms for
-    a 32k-token draft row inside a decode loop, where each call meets cold caches."""
+    :func:`reference_sample_from_probs` (every other device) takes 14 torch calls, each of
+    which meets cold caches inside a decode loop."""
     return _draw(probs, generator, is_reference=False)
 
 
@@ -84,7 +84,7 @@ def _search_cdf(flat: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The first token of each row of ``flat`` [rows, vocab_size] whose float64 CDF passes
     ``uniform`` [rows, 1] times the row's total -> ids [rows]. Large vocabularies are searched
     in two levels (blocks of 128 tokens, then within the chosen block), so only block sums and
-    one block are accumulated in float64: 0.2-0.5 ms -> about 0.05 ms per 152k row."""
+    one block are accumulated in float64, never a float64 copy of the whole row."""
     num_rows, vocab_size = flat.shape
     if vocab_size < 64 * _CDF_BLOCK:
         cdf = flat.double().cumsum(dim=-1)  # [rows, vocab_size]
@@ -172,7 +172,7 @@ def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 # Top-p looks for the nucleus among each row's most probable tokens first: a top-k of 256
-# over a 152k vocabulary costs about 0.1 ms a row, a full sort about 2 ms.
+# over a 152k vocabulary is one selection pass, where a full sort orders every token.
 _NUCLEUS_CANDIDATES = 256
 
 

@@ -3,7 +3,7 @@
 A decode step is a few weight-bound matmuls per layer plus ~15 small ops; run from Python,
 those small ops cost about as much as the elementwise work itself. :class:`FusedDecoder` runs
 a flat batch of sequences over the paged cache, the serving engine's step, in
-``csrc/decoder_x86.cpp``: the embedding rows, the rotary rows, every decoder layer, the final
+``csrc/decoder.cpp``: the embedding rows, the rotary rows, every decoder layer, the final
 norm and a weight-only LM head, chaining the very kernels the module path calls, in the same
 order and dtypes. The two give bit-identical results (tested), with one exception: on CPUs
 with AMX, outside batch-invariant mode, the module path's weight-only matmuls over

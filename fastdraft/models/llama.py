@@ -120,8 +120,8 @@ class LlamaForCausalLM(nn.Module):
     values, so with ``min_rows = EXACT_MIN_ROWS`` a one-token decode step and a verification
     of up to that many tokens (k <= 4 drafts) give bit-identical results for the same token:
     speculative greedy decoding then reproduces plain greedy decoding exactly, in any dtype.
-    Padding costs little because decoding is bound by reading the weights (~3-5% for 5 rows,
-    5-12% for 8).
+    Padding costs little because decoding is bound by reading the weights, which the padded
+    rows share.
     """
 
     def __init__(self, config: ModelConfig, min_rows: int = EXACT_MIN_ROWS) -> None:

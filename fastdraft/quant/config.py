@@ -96,8 +96,8 @@ class QuantConfig:
     act_order: bool = False  # GPTQ only: quantize columns by decreasing Hessian diagonal
     damp_percent: float = 0.01  # GPTQ: diagonal dampening, fraction of mean(diag(H))
     # AWQ: also search a per-group clipping range after scaling. Off by default: on
-    # Qwen2.5-Coder-0.5B it lowered each layer's calibration error yet raised held-out
-    # perplexity loss at g128 from +11.5% to +17.7% (a few rare tokens lose their weight outliers).
+    # Qwen2.5-Coder-0.5B it lowered each layer's calibration error yet raised the held-out
+    # perplexity loss (a few rare tokens lose their weight outliers).
     awq_clip: bool = False
     lm_head_bits: int = 8
     embed_bits: int = 16
@@ -106,7 +106,8 @@ class QuantConfig:
     sensitive_bits: int = 4
     # Decoder linears kept at INT8 per channel in every layer ("v_proj" or "self_attn.v_proj"),
     # a mixed-precision fallback for the tensors whose INT4 error costs the most accuracy per
-    # byte. On Qwen2.5-Coder-0.5B, v_proj and o_proj are 2% of the bytes and over half the loss.
+    # byte. On Qwen2.5-Coder-0.5B, v_proj and o_proj are 2% of the bytes and a far larger share
+    # of the loss.
     int8_linears: tuple[str, ...] = ()
     num_calib_samples: int = 64
     calib_seq_len: int = 512

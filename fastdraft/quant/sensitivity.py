@@ -1,11 +1,11 @@
 """Which kinds of decoder linears buy the most accuracy per byte when kept at INT8.
 
 INT4 error is not spread evenly over a model: on Qwen2.5-Coder-0.5B, v_proj and o_proj hold 2%
-of the weight bytes and over half of the perplexity loss. This measures it the way accuracy-
-driven tuning (Intel Neural Compressor's op-type fallback) does: each kind of linear (q_proj,
-..., down_proj) in turn is kept at INT8 in every layer of an RTN configuration, and the mean KL
-it saves against the reference is divided by the bytes it adds. The auto flow turns the ranking
-into nested INT8 sets to try (``AutoSearchSpace.num_int8_sets``).
+of the weight bytes and a far larger share of the perplexity loss. This measures it the way
+accuracy-driven tuning (Intel Neural Compressor's op-type fallback) does: each kind of linear
+(q_proj, ..., down_proj) in turn is kept at INT8 in every layer of an RTN configuration, and the
+mean KL it saves against the reference is divided by the bytes it adds. The auto flow turns the
+ranking into nested INT8 sets to try (``AutoSearchSpace.num_int8_sets``).
 """
 
 from __future__ import annotations

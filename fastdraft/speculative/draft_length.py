@@ -3,7 +3,7 @@
 Speculation pays when drafting ``k`` tokens and verifying ``k + 1`` costs less than the target
 steps it saves. At batch 1 a target pass is bound by reading the weights, so verifying five
 tokens costs about as much as decoding one; as the batch grows the pass turns compute-bound
-and every extra token costs its share. The same drafts that double a lone request's speed
+and every extra token costs its share. The same drafts that speed up a lone request
 would then slow the whole batch down.
 
 :class:`DraftLengthPolicy` weighs both, each step:

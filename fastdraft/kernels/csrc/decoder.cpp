@@ -5,9 +5,10 @@
 //
 // At batch 1 the per-layer work is a handful of weight-bound matmuls plus small elementwise
 // ops; driving ~15 ops per layer from Python costs more than the elementwise work itself
-// (~5 ms of a ~25 ms 1.5B INT4 step). This file strings together the same kernels the Python
-// path calls (rms_norm, woq_linear, rotary, paged_attention, silu_and_mul), in the same order
-// and dtypes, so both paths give bit-identical results.
+// (every call pays interpreter and dispatch overhead that its small tensors cannot amortize).
+// This file strings together the same kernels the Python path calls (rms_norm, woq_linear,
+// rotary, paged_attention, silu_and_mul), in the same order and dtypes, so both paths give
+// bit-identical results.
 // The twin is the PyTorch module path in fastdraft/models/llama.py.
 //
 // Two drivers: layer_forward_paged calls the public ops one by one (each its own fork/join),
@@ -120,8 +121,8 @@ struct DecoderLayer {
 // Items [0, n) shared by the threads of a region: each thread starts with a contiguous share
 // and takes chunks from its front; a thread that runs out takes chunks from the back of
 // another's share. Threads often run at different speeds for a while (a neighbour's load on a
-// shared host): with fixed shares the faster one would wait at every barrier (about 3 ms of a
-// 21 ms 1.5B step), so work moves to whoever is free. Each thread's own chunks stay in order,
+// shared host): with fixed shares the faster one would idle at every barrier, and a step has
+// several per layer, so work moves to whoever is free. Each thread's own chunks stay in order,
 // which keeps its weight reads one sequential stream.
 class WorkSplit {
  public:
@@ -567,7 +568,8 @@ bool is_all_weight_only(const std::vector<std::shared_ptr<DecoderLayer>>& layers
 }
 
 // Rows ids [T] of table [rows, width]: plain copies, as an embedding lookup is (index_select's
-// dispatch alone costs about 40 us a step). `what` names an id in the error for one out of range.
+// dispatch alone costs more than copying the few rows). `what` names an id in the error for one
+// out of range.
 torch::Tensor table_rows(const torch::Tensor& table, const torch::Tensor& ids, const char* what) {
   TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), "a table must be 2-D and contiguous");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, what, "s must be a 1-D int64 tensor");
@@ -585,7 +587,8 @@ torch::Tensor table_rows(const torch::Tensor& table, const torch::Tensor& ids, c
 }
 
 // x as fp32: bf16 widened exactly (its bits are fp32's upper half), in one pass with no
-// dispatch (Tensor::to takes about 90 us for 152k logits); fp32 as it is.
+// dispatch (Tensor::to adds the dispatcher and a generic copy loop to every step's logits);
+// fp32 as it is.
 torch::Tensor to_float(const fastdraft::Isa& isa, const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat) return x;
   if (x.scalar_type() != torch::kBFloat16 || !x.is_contiguous()) return x.to(torch::kFloat);
@@ -598,11 +601,11 @@ torch::Tensor to_float(const fastdraft::Isa& isa, const torch::Tensor& x) {
 // states, for an embedding the C++ side does not take) to the final norm's output, or with a
 // weight-only head, to the fp32 logits of the rows asked for. The embedding rows, the rotary
 // rows and the logits' conversion to fp32 are taken here rather than by separate Python
-// calls: with the weights streaming through the caches each of those costs 40-110 us a step,
-// about 2% of a 1.5B INT4 step in all. Built once by its owner and run one step at a time (a
-// mutex makes concurrent calls wait): the per-layer views of the last pool it ran on and the
-// attention plan's buffers are kept from step to step, so they hold that pool until the next
-// call or the step's end (the owner, the engine's runner, owns that pool for as long anyway).
+// calls: with the weights streaming through the caches each such call meets cold caches and
+// costs far more than the few rows it moves. Built once by its owner and run one step at a
+// time (a mutex makes concurrent calls wait): the per-layer views of the last pool it ran on
+// and the attention plan's buffers are kept from step to step, so they hold that pool until the
+// next call or the step's end (the owner, the engine's runner, owns that pool for as long anyway).
 class PagedDecoder {
  public:
   PagedDecoder(fastdraft::IsaPtr isa, std::vector<std::shared_ptr<DecoderLayer>> layers,
@@ -673,7 +676,8 @@ class PagedDecoder {
 
  private:
   // Each layer's view of the pool, made again only when the pool changes: with the weights
-  // streaming through the caches, 2 views per layer cost about 0.1 ms a step if made afresh.
+  // streaming through the caches, making 2 views per layer afresh every step would run tensor
+  // bookkeeping on cold caches for views that rarely change.
   void bind_pool(const torch::Tensor& k_blocks, const torch::Tensor& v_blocks) {
     TORCH_CHECK(k_blocks.dim() == 5 && v_blocks.sizes() == k_blocks.sizes() &&
                     k_blocks.size(0) >= static_cast<int64_t>(layers_.size()),

@@ -1,5 +1,5 @@
-// Fused elementwise ops of the decoder layer: the driver side. At batch 1 each PyTorch op costs
-// a few microseconds of dispatch whatever its size, and a layer runs dozens of them; these
+// Fused elementwise ops of the decoder layer: the driver side. At batch 1 each PyTorch op pays
+// a fixed dispatch cost whatever its size, and a layer runs dozens of them; these
 // replace RMSNorm (6 ops), SiLU-and-mul (2) and rotary embedding of q and k (~12) with one call
 // each, every row run by the variant's kernel (kernel_table.h).
 // Reference twins: fastdraft/kernels/fused.py.

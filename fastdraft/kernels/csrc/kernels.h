@@ -29,7 +29,7 @@ inline int32_t elem_type(const torch::Tensor& x) {
   return x.scalar_type() == at::kFloat ? kElemFloat32 : kElemBFloat16;
 }
 
-// Activations of one weight-only matmul, quantized to int8 per block (woq_x86.cpp).
+// Activations of one weight-only matmul, quantized to int8 per block (woq.cpp).
 struct Activations {
   std::vector<int8_t> q;     // [M, k_pad]
   std::vector<float> scale;  // [M, num_blocks]
@@ -81,8 +81,8 @@ void quantize_activations(const Isa& isa, const torch::Tensor& x, int64_t k_pad,
 void size_activations(int64_t m, int64_t k_pad, int64_t block, int64_t group, Activations& a);
 void quantize_activation_columns(const Isa& isa, const torch::Tensor& x, int64_t c0, int64_t c1, Activations& a);
 // A weight and the output columns it writes, as the kernel table takes them, resolved once
-// (woq_tiles_args): resolving them from the tensors on every claimed chunk costs ~2.5% of a
-// 1.5B decode step.
+// (woq_tiles_args): resolving them from the tensors on every claimed chunk would repeat the
+// same tensor lookups many times a step.
 struct WoqTilesArgs {
   WoqView view{};
   const KernelTable* table = nullptr;
@@ -112,7 +112,7 @@ void residual_rms_norm_columns(const Isa& isa, const torch::Tensor& a, const tor
 // out [M, N] columns [c0, c1) of silu_and_mul(x), x [M, 2N] = [gate | up].
 void silu_and_mul_columns(const Isa& isa, const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
 
-// Paged attention (attention_x86.cpp::paged_attention) as plan -> q -> items -> finish, for a
+// Paged attention (attention.cpp::paged_attention) as plan -> q -> items -> finish, for a
 // flat batch of sequences over one layer's blocks [num_blocks, kv_heads, block_size, D].
 struct PagedItem {
   int64_t seq, kv_head, split, row0, rows, partial;  // rows from row0 on; partials at `partial`

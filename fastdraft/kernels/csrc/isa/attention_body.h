@@ -23,9 +23,9 @@ using simd::Vi;
 constexpr int64_t kMaxHeadDim = 256;
 // Software prefetch this many keys ahead, through the block table: a head's keys are one run
 // per block, the blocks scattered through the pool, and the hardware prefetchers stop at every
-// jump between blocks, so without it each run starts with a DRAM round trip (one layer over ~1K
-// cold keys 1.3-1.5x faster with it; 32 keys ahead beats 16 and 64). Into L1 on Intel; into L2
-// on AMD, where L1 prefetches stall on the few L1 miss buffers.
+// jump between blocks, so without it each run starts with a DRAM round trip (32 keys ahead
+// timed better than 16 and 64). Into L1 on Intel; into L2 on AMD, where L1 prefetches stall
+// on the few L1 miss buffers.
 constexpr int64_t kKeysAhead = 32;
 
 template <typename T>
@@ -37,7 +37,7 @@ struct KeyRows {  // where key (or value) row l of the sequence lies in the pool
 };
 
 // The choice of cache level is a template argument down the call chain: a run-time branch here
-// makes the attention 10-20% slower.
+// would be taken on every prefetched line, in the attention's innermost loop.
 template <bool L2, typename T>
 inline void prefetch_row(const T* p, int64_t count) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -229,7 +229,7 @@ void pv_bf16(const uint32_t* p_pairs, int64_t num_pairs, const KeyRows<BF16>& v,
 // R x M accumulators, one 64-byte weight line feeding M dot products. Output (m, n) is always
 // the same accumulation over k in 2 kLanes steps, reduced and rounded once (+ bias in fp32):
 // row-invariant whatever M. Each step prefetches the same line of the next R rows into L2: the
-// R short row streams leave the hardware prefetcher behind (bf16 decode up to 1.6x faster).
+// R short row streams leave the hardware prefetcher behind, and decode would wait on DRAM.
 // Plain PyTorch twin: fastdraft/kernels/fused.py::reference_dense_linear.
 template <int M, int R>
 FASTDRAFT_BF16_TARGET void dense_rows(const uint16_t* w, int64_t k, const uint16_t* x, const float* bias,

@@ -1,7 +1,7 @@
 // The `avx2` variant: AVX2 + FMA + F16C (AMD Zen 1-3, Intel Haswell onward), built with
 // -mavx2 -mfma -mf16c. gcc: no temporary expression replacement here, or it emits every
 // product of an unrolled INT4 step before the sums that consume them and the 16 registers
-// spill (prefill ~1.5x slower).
+// spill, slowing the compute-bound prefill most.
 #if !defined(__clang__)
 #pragma GCC optimize("no-tree-ter")
 #endif

@@ -25,7 +25,7 @@ constexpr int kPvRows = 3;
 constexpr int kAccumulatorRegs = 8;  // int32 accumulators a tile pass may keep: half the 16 registers
 constexpr int kFewRows = 1;
 // The weight tile kernel as its own function: with 16 registers its many shapes allocate
-// better apart than inlined into the row dispatch (prefill 0.95x inlined, 1.5B g128).
+// better apart than inlined into the row dispatch (inlined, prefill timed slower).
 #define FASTDRAFT_TILE_KERNEL_ATTR __attribute__((noinline))
 
 

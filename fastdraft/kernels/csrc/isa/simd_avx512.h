@@ -27,8 +27,8 @@ constexpr int kWoqMaxRows = 8;
 constexpr int kPvRows = 6;
 constexpr int kAccumulatorRegs = 16;  // int32 accumulators a tile pass may keep: half the 32 registers
 constexpr int kFewRows = 2;
-// The weight tile kernel inlined into its row dispatch: as its own function (a call and setup
-// per 16-row tile) whole 0.5B decode steps ran 0.92x.
+// The weight tile kernel inlined into its row dispatch: as its own function it pays a call and
+// setup per 16-row tile, which shows on whole decode steps.
 #define FASTDRAFT_TILE_KERNEL_ATTR
 
 
@@ -151,9 +151,9 @@ inline void interleave_i32(Vi a, Vi b, Vi& lo, Vi& hi) {
 // partial_add accumulates u8 x s8 products kProductsPerLane to a lane in lanes that hold up to
 // kPartialLimit; partial_widen turns those lanes into int32 sums. Here one vpdpbusd into int32
 // lanes: no widening. TIED: through an asm that ties accumulator and result to one register,
-// where gcc otherwise copies accumulators around the intrinsic (INT8 at 3-5 rows 1.1-1.6x
-// slower, 1-2 row GEMVs 1.3-1.4x); INT4 from 3 rows gains nothing from the asm and keeps the
-// intrinsic, which gcc can schedule.
+// where gcc otherwise copies accumulators around the intrinsic (moves on the critical path of
+// INT8 at 3-5 rows and of 1-2 row GEMVs); INT4 from 3 rows gains nothing from the asm and
+// keeps the intrinsic, which gcc can schedule.
 constexpr int kProductsPerLane = 4;
 constexpr int64_t kPartialLimit = 2147483647;
 template <bool TIED = true>

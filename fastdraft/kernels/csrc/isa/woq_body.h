@@ -44,22 +44,23 @@ constexpr int kUnroll = 2;                        // chunks per step of the inne
 // is one unit, and chains, not widening, set the shape.
 constexpr bool kInt32Partials = simd::kPartialLimit > 32767;
 // Software prefetch of the weight stream, once per 64-byte line:
-// * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on Intel
-//   (whole decode steps 0.74x without it on Sapphire Rapids, AVX-512).
+// * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on Intel,
+//   so decode steps wait on memory.
 // * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to simd::kFewRows rows on Intel, which
-//   consume each line fastest: whole decode steps ~1.05x faster on Sapphire Rapids.
-// * kNone on AMD for those few-row calls: an L1 prefetch serializes compute and memory there
-//   (a cold INT4 GEMV 1.1-1.2x faster without any on Zen 4). From more rows, where each line
+//   consume each line fastest and would otherwise wait on L2.
+// * kNone on AMD for those few-row calls: an L1 prefetch serializes compute and memory there,
+//   and a cold GEMV ran faster with no software prefetch at all. From more rows, where each line
 //   takes longer to consume, the L2 prefetch pays off on AMD too.
 enum class Prefetch { kNone, kL2, kL2L1 };
 constexpr int64_t kL2PrefetchBytes = 32768;
 constexpr int64_t kL1PrefetchBytes = 4096;
 // Many rows (prefill) are taken kRowBlock at a time through all the call's tiles: their
 // activations stay in L2 while the weights stream, and each row's outputs are written in
-// order (tiles outside, all rows inside: 1.5x slower once the output outgrows L2).
+// order (tiles outside, all rows inside would scatter the writes over an output that has
+// outgrown L2).
 constexpr int64_t kRowBlock = 32;
 // On AMD Zen 4, from 5 rows the independent rows alone cover vpdpbusd's latency, and a second
-// chain costs an add per row and block (5-row verification 1.02-1.05x faster with one).
+// chain only costs an add per row and block: one chain is faster there.
 constexpr int kAmdOneChainMinRows = 5;
 
 inline bool is_amd_cpu() {
@@ -137,8 +138,9 @@ constexpr int unit_chunks() {
 
 // Independent accumulator chains per row hide vpdpbusd's latency when rows are few; with many
 // rows the rows themselves are independent and registers are scarce. Two chains up to 6 rows
-// (5-row verification 1.2x faster than with one, AVX-512); at 7-8 rows they spill. vpmaddubsw
-// partials add in one cycle: one chain. Integer sums are exact, so chains never change results.
+// (with one, a 5-row verification on AVX-512 still waits on that latency); at 7-8 rows they
+// spill. vpmaddubsw partials add in one cycle: one chain. Integer sums are exact, so chains
+// never change results.
 // Chains never take more than the layer's accumulator registers (R x kTileVecs x chains).
 template <int BITS, int R>
 constexpr int default_chains() {
@@ -162,8 +164,8 @@ FASTDRAFT_TILE_KERNEL_ATTR void tile_kernel(const TileJob& j, const Activations8
   constexpr int UNIT = unit_chunks<BITS, CPB>(), STEP = std::min(UNIT, kUnroll);
   // INT4 with vpdpbusd and an even number of chains: the high nibbles go on the odd chains
   // in place, as 16 * hi (an AND instead of a shift and an AND), and those chains' sum is
-  // shifted back by 4 once per block (exact: every product is a multiple of 16). Decode steps
-  // ~1.03x faster on Zen 4 when the vector ops, not the memory stream, set the pace.
+  // shifted back by 4 once per block (exact: every product is a multiple of 16). The saved shift
+  // shows on decode steps when the vector ops, not the memory stream, set the pace (Zen 4).
   constexpr bool kHighInPlace = BITS == 4 && CH % 2 == 0 && kInt32Partials;
   // With int32 partials the block's one unit folds straight into its sums: no second set of
   // registers (8 rows' partials and sums together spill on AVX-512).
@@ -327,7 +329,7 @@ FASTDRAFT_TILE_KERNEL_ATTR void tile_kernel(const TileJob& j, const Activations8
 
 // Rows [m0, m0 + rows) of one tile, rows <= kMaxRows, with the prefetch and chains chosen for
 // the row count and the CPU. Every vector of the tile row in one pass, so the weights stream
-// once, in order (2-8 rows, cold, 1.3-1.7x faster than a pass per vector, AVX2); a pass of
+// once, in order (a pass per vector would re-read the tile row from memory); a pass of
 // fewer vectors for a last tile that needs fewer.
 template <int BITS, bool ASYM, int CPB>
 void tile_rows(const TileJob& j, const Activations8& a, int64_t m0, int rows) {
@@ -349,8 +351,8 @@ void tile_rows(const TileJob& j, const Activations8& a, int64_t m0, int rows) {
     if (kTileVecs == 1 || num_vecs == kTileVecs) shaped(std::integral_constant<int, kTileVecs>{});
     else shaped(std::integral_constant<int, 1>{});
   };
-  // A switch, not with_count: this runs once per 16-row tile, and through with_count whole
-  // 0.5B decode passes ran ~0.98x.
+  // A switch, not with_count: this runs once per 16-row tile, where a jump table beats
+  // with_count's chain of comparisons, enough to show on whole decode passes.
   switch (rows) {
     case 1: run(std::integral_constant<int, 1>{}); break;
     case 2: run(std::integral_constant<int, std::min(2, kMaxRows)>{}); break;
