@@ -271,7 +271,8 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 
 
 class LiveServer:
-    """The app under uvicorn on a thread, on a free loopback port."""
+    """The app under uvicorn on a thread, on a free loopback port; ``speculation``: the engine's
+    speculator factory (``fastdraft.speculative.factory.speculator_factory(config)``), or None."""
 
     def __init__(self, loaded, engine_config: EngineConfig, model_name: str, speculation=None,
                  **server_config) -> None:

@@ -46,7 +46,7 @@ def ours_greedy(real_model_fp32, prompts) -> dict[str, list[int]]:
                                                      num_blocks=len(prompts) * 256 // 16))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = run_to_completion(engine, list(prompts.values()), [params] * len(prompts))
-    return {name: out.token_ids for name, out in zip(prompts, outputs)}
+    return {name: out.outputs[0].token_ids for name, out in zip(prompts, outputs)}
 
 
 @pytest.fixture(scope="module")

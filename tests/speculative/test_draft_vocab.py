@@ -8,6 +8,7 @@ from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completi
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.sequence import Sequence
+from fastdraft.engine.speculation import Speculator
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
@@ -15,9 +16,9 @@ from fastdraft.speculative import draft_vocab
 from fastdraft.speculative.config import SpeculativeConfig
 from fastdraft.speculative.draft_length import DraftLengthPolicy, PassCost
 from fastdraft.speculative.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
+from fastdraft.speculative.factory import speculator_factory
 from fastdraft.speculative.proposer import DraftModelProposer
-from fastdraft.speculative.speculator import EngineSpeculator
-from tests.spec.test_engine_spec import PROMPTS, next_token_logits
+from tests.speculative.test_engine_spec import PROMPTS, next_token_logits
 
 
 def _draft_runner(draft) -> ModelRunner:
@@ -27,14 +28,14 @@ def _draft_runner(draft) -> ModelRunner:
 
 
 class _DraftOnly:
-    """A speculation drafting ``k`` tokens with ``proposer`` for every sequence, every step."""
+    """A speculator factory drafting ``k`` tokens with ``proposer`` for every sequence, every step."""
 
     def __init__(self, proposer: DraftModelProposer, k: int) -> None:
         self.proposer, self.k = proposer, k
 
-    def start(self, target, runner, max_num_seqs, draft=None):
+    def __call__(self, target, runner, max_num_seqs):
         free = PassCost([(1, 0.0)])
-        return EngineSpeculator(self.proposer, DraftLengthPolicy(self.k, free, free, is_adaptive=False))
+        return Speculator(self.proposer, DraftLengthPolicy(self.k, free, free, is_adaptive=False))
 
 CORPUS = ["def add(a, b):\n    return a + b\n" * 20, "The quick brown fox jumps over the lazy dog. " * 5]
 
@@ -87,7 +88,7 @@ def test_restricted_head_gives_the_kept_rows_of_the_full_logits(tiny_models):
 def test_greedy_with_a_restricted_draft_equals_plain_greedy(target, tiny_models, monkeypatch):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompts = [target.tokenizer.encode(text) for text in PROMPTS]
-    expected = [o.token_ids for o in run_to_completion(LLMEngine(target, EngineConfig(num_blocks=64)), prompts,
+    expected = [o.outputs[0].token_ids for o in run_to_completion(LLMEngine(target, EngineConfig(num_blocks=64)), prompts,
                                                         [params] * len(prompts))]
     # The ranking puts the first continuation's tokens first, so the draft can propose those
     # and few others the tiny random model likes.
@@ -95,12 +96,12 @@ def test_greedy_with_a_restricted_draft_equals_plain_greedy(target, tiny_models,
     monkeypatch.setattr(draft_vocab, "ranked_token_ids", lambda tokenizer, cache_dir=None: first + list(range(300)))
     config = SpeculativeConfig(draft=str(tiny_models.dir("qwen2")), draft_vocab_size=40, draft_low_bit=None,
                                is_adaptive=False, min_confidence=0.0)
-    engine = LLMEngine(target, EngineConfig(num_blocks=64), speculation=config)
+    engine = LLMEngine(target, EngineConfig(num_blocks=64), speculation=speculator_factory(config))
     proposer = engine.speculator.proposer
     assert proposer.token_ids is not None and len(proposer.token_ids) <= 40
     assert proposer.model.lm_head.out_features == len(proposer.token_ids)
     outputs = run_to_completion(engine, prompts, [params] * len(prompts))
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert outputs[0].metrics.spec.acceptance_rate > 0.5  # the same model, on tokens its head kept
 
 
@@ -149,7 +150,7 @@ def test_sampling_with_a_restricted_draft_follows_the_target_distribution(target
     num_draft = 0
     for _ in range(num_samples // 64):
         for out in run_to_completion(engine, [prompt_ids] * 64, [params] * 64):
-            key = tuple(out.token_ids[:2])
+            key = tuple(out.outputs[0].token_ids[:2])
             counts[key] = counts.get(key, 0) + 1
             num_draft += out.metrics.spec.num_draft_tokens
     assert num_draft > 0

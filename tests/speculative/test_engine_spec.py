@@ -13,11 +13,12 @@ from fastdraft.generator import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.sequence import Sequence
-from fastdraft.engine.speculation import DraftBatch
+from fastdraft.engine.speculation import DraftBatch, Speculator
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig, build_proposer, check_vocab_compatible
+from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.factory import build_proposer, check_vocab_compatible, speculator_factory
 from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost
 from fastdraft.speculative.proposer import NgramIndex, NgramProposer, _match_vocab
 from tests.helpers import append_pass
@@ -41,7 +42,13 @@ def next_token_logits(loaded, token_ids: list[int]) -> torch.Tensor:
 
 
 def _engine(target, speculation=None, draft=None, **config):
-    return LLMEngine(target, EngineConfig(**{"num_blocks": 96, **config}), speculation=speculation, draft=draft)
+    """An engine over ``target``; ``speculation``: a :class:`SpeculativeConfig` (with ``draft``,
+    an already loaded draft model) or a speculator factory."""
+    if isinstance(speculation, SpeculativeConfig):
+        speculation = speculator_factory(speculation, draft)
+    else:
+        assert draft is None, "a loaded draft goes with a SpeculativeConfig"
+    return LLMEngine(target, EngineConfig(**{"num_blocks": 96, **config}), speculation=speculation)
 
 
 def _run(engine, prompts, params):
@@ -62,8 +69,9 @@ def test_greedy_output_under_batching_equals_plain_greedy(target, tiny_models, d
     plain = _run(_engine(target), prompts, params)
     engine = _engine(target, config, draft)
     spec = _run(engine, prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain], f"{draft_kind}: output diverged"
-    assert [o.text for o in spec] == [o.text for o in plain]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain], \
+        f"{draft_kind}: output diverged"
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     if not is_adaptive and draft_kind != "ngram":
         assert all(o.metrics.spec.num_draft_tokens > 0 for o in spec)
     if draft_kind == "same_model" and not is_adaptive:
@@ -86,10 +94,10 @@ def test_greedy_identity_holds_with_sampled_and_plain_requests_beside(target):
     plain = _run(_engine(target), prompts, params)
     spec = _run(_engine(target, config), prompts, params)
     for i in (0, 1, 2, 4):  # greedy, seeded, penalised: the same tokens
-        assert spec[i].token_ids == plain[i].token_ids
+        assert spec[i].outputs[0].token_ids == plain[i].outputs[0].token_ids
     assert spec[1].metrics.spec is None  # a seeded sampled request decodes plainly
     assert spec[3].metrics.spec.num_draft_tokens > 0  # an unseeded one speculates
-    assert len(spec[3].token_ids) == 30
+    assert len(spec[3].outputs[0].token_ids) == 30
 
 
 def test_stops_at_eos_max_new_tokens_and_stop_strings_as_plain_decoding(target):
@@ -97,14 +105,14 @@ def test_stops_at_eos_max_new_tokens_and_stop_strings_as_plain_decoding(target):
     for params in (SamplingParams(max_new_tokens=7, ignore_eos=True), SamplingParams(max_new_tokens=60)):
         plain = _run(_engine(target), PROMPTS, params)
         spec = _run(_engine(target, config), PROMPTS, params)
-        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-        assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+        assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+        assert [o.outputs[0].finish_reason for o in spec] == [o.outputs[0].finish_reason for o in plain]
     prompt = "x = 1"
-    text = _run(_engine(target), [prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0].text
+    text = _run(_engine(target), [prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0].outputs[0].text
     assert len(text) >= 4
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[text[len(text) // 2]])
-    plain = _run(_engine(target), [prompt], params)[0]
-    spec = _run(_engine(target, config), [prompt], params)[0]
+    plain = _run(_engine(target), [prompt], params)[0].outputs[0]
+    spec = _run(_engine(target, config), [prompt], params)[0].outputs[0]
     assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
     assert plain.finish_reason == "stop" and len(plain.token_ids) < 30
 
@@ -117,12 +125,13 @@ def test_prefix_cache_holds_only_verified_keys_and_values(target):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     engine = _engine(target, config, block_size=4)
     first = _run(engine, [PROMPTS[2]], params)[0]
-    follow_up = first.prompt_token_ids + first.token_ids  # every block of it was written by the draft first
+    # Every block of it was written by the draft first.
+    follow_up = first.prompt_token_ids + first.outputs[0].token_ids
     hits_before = engine.block_manager.num_prefix_hits
     got = _run(engine, [follow_up], params)[0]
     assert engine.block_manager.num_prefix_hits - hits_before >= len(follow_up) - 8
-    assert got.token_ids == _run(_engine(target, block_size=4, enable_prefix_caching=False), [follow_up],
-                                 params)[0].token_ids
+    assert got.outputs[0].token_ids == _run(_engine(target, block_size=4, enable_prefix_caching=False), [follow_up],
+                                            params)[0].outputs[0].token_ids
 
 
 def test_blocks_return_to_zero_after_aborted_and_preempted_speculative_requests(target, tiny_models):
@@ -147,21 +156,25 @@ def test_blocks_return_to_zero_after_aborted_and_preempted_speculative_requests(
 
 
 class _UniformOverSupport:
-    """A speculation whose drafts are uniform over the target's sampling support: they overlap
-    the target's distribution without matching it, so accepted, recovered and bonus tokens all
-    occur, and a wrong residual distribution would show (about 0.1 away in total variation).
-    Drafts stop at random after the first token, as a draft stopping when unconfident does."""
+    """A speculator factory whose speculator's proposer and policy are itself. Its drafts are
+    uniform over the target's sampling support: they overlap the target's distribution without
+    matching it, so accepted, recovered and bonus tokens all occur, and a wrong residual
+    distribution would show (about 0.1 away in total variation). Drafts stop at random after
+    the first token, as a draft stopping when unconfident does."""
 
-    num_speculative_tokens = 2
+    k_max = 2
 
     def __init__(self, next_probs) -> None:
         self.next_probs = next_probs
 
-    def start(self, target, runner, max_num_seqs, draft=None):
-        return self
+    def __call__(self, target, runner, max_num_seqs):
+        return Speculator(self, self)
+
+    def pending_tokens(self, seq):
+        return 0
 
     def draft_lengths(self, seqs, num_step_tokens):
-        return [self.num_speculative_tokens] * len(seqs)
+        return [self.k_max] * len(seqs)
 
     def propose(self, seqs, num_tokens, generators):
         draft_ids, draft_probs = [], []
@@ -209,7 +222,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target):
     num_draft = num_accepted = 0
     for _ in range(num_samples // 64 + 1):
         for out in _run(engine, [prompt_ids] * 64, params):
-            key = tuple(out.token_ids)
+            key = tuple(out.outputs[0].token_ids)
             counts[key] = counts.get(key, 0) + 1
             num_draft += out.metrics.spec.num_draft_tokens
             num_accepted += out.metrics.spec.num_accepted_tokens

@@ -51,7 +51,7 @@ def test_draft_model_pair_equals_plain_greedy(real_model_dir):
 def test_vocab_check_accepts_the_pair(real_model_dir):
     """The two Qwen models share a byte-identical tokenizer: no mismatch error."""
     from fastdraft.models.registry import pull
-    from fastdraft.speculative.config import check_vocab_compatible
+    from fastdraft.speculative.factory import check_vocab_compatible
 
     small = load_model(real_model_dir, dtype="bf16")
     check_vocab_compatible(small, small)
@@ -64,6 +64,7 @@ def test_every_proposer_under_batching_equals_plain_greedy(real_model_dir):
     tokens as plain batched greedy decoding."""
     from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
     from fastdraft.models.registry import pull
+    from fastdraft.speculative.factory import speculator_factory
 
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     small = load_model(real_model_dir, dtype="bf16")
@@ -72,10 +73,11 @@ def test_every_proposer_under_batching_equals_plain_greedy(real_model_dir):
     config = EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory=0.5)
 
     def outputs(loaded, speculation=None):
-        engine = LLMEngine(loaded, config, speculation=speculation)
+        factory = None if speculation is None else speculator_factory(speculation)
+        engine = LLMEngine(loaded, config, speculation=factory)
         outs = run_to_completion(engine, prompts, [params] * len(prompts))
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        return [o.token_ids for o in outs], outs
+        return [o.outputs[0].token_ids for o in outs], outs
 
     plain, _ = outputs(small)
     for draft in ("self", "ngram"):
