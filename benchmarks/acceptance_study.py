@@ -26,7 +26,8 @@ from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig, prepare_draft
+from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.factory import prepare_draft
 
 
 @torch.inference_mode()

@@ -148,8 +148,9 @@ def setup_fastdraft(name: str, dtype: str, quant: str | None = None) -> System:
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=1, max_model_len=2048, enable_prefix_caching=False))
 
     def stream(ids: list[int], n: int) -> Iterator[int]:
-        for out in engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True)):
-            yield from out.new_token_ids
+        request_id = engine.add_request(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for delta in engine.outputs(request_id):
+            yield from delta.new_token_ids
 
     return System(stream, model.decode_weight_bytes())
 

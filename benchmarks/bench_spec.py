@@ -31,12 +31,14 @@ import torch
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.metrics import SpecMetrics
+from fastdraft.engine.output import RequestCollector
 from fastdraft.process import configure_process
 from fastdraft.quant.config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.factory import speculator_factory
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
@@ -67,18 +69,23 @@ def closed_loop(engine: LLMEngine, prompts: list[list[int]], concurrency: int, n
     """Generated tokens per second with ``concurrency`` requests in flight until
     ``num_requests`` have finished; and the speculation figures pooled over them."""
     spec = SpecMetrics()
+    collectors: dict[str, RequestCollector] = {}
     num_added = num_done = num_tokens = 0
     start = time.perf_counter()
     while num_done < num_requests:
         while num_added < num_requests and num_added - num_done < concurrency:
-            engine.add_request(prompts[num_added % len(prompts)], params)
+            request_id = engine.add_request(prompts[num_added % len(prompts)], params)
+            collectors[request_id] = engine.collector(request_id)
             num_added += 1
-        for out in engine.step():
-            if out.is_finished:
+        for delta in engine.step():
+            collector = collectors[delta.request_id]
+            collector.add(delta)
+            if collector.is_finished:
+                del collectors[delta.request_id]
                 num_done += 1
-                num_tokens += len(out.token_ids)
-                if out.metrics.spec is not None:
-                    spec.merge(out.metrics.spec)
+                num_tokens += len(collector.token_ids)
+                if collector.metrics.spec is not None:
+                    spec.merge(collector.metrics.spec)
     return num_tokens / (time.perf_counter() - start), spec
 
 
@@ -111,7 +118,7 @@ def compare(name: str, plain: LLMEngine, spec: LLMEngine, prompts: list[list[int
 def engine_pair(target, speculation: SpeculativeConfig, args: argparse.Namespace) -> tuple[LLMEngine, LLMEngine]:
     config = EngineConfig(max_num_seqs=max(args.concurrency), max_model_len=2048,
                           kv_cache_memory=args.kv_cache_memory)
-    return LLMEngine(target, config), LLMEngine(target, config, speculation=speculation)
+    return LLMEngine(target, config), LLMEngine(target, config, speculation=speculator_factory(speculation))
 
 
 def main() -> None:

@@ -70,10 +70,10 @@ def run_batched(loaded, prompts: list[list[int]], new_tokens: int, max_batched_t
     counts: dict[str, int] = {}
     prefilled_at, generated_after = None, 0
     while engine.has_unfinished_requests:
-        for out in engine.step():
-            counts[out.request_id] = counts.get(out.request_id, 0) + 1
+        for delta in engine.step():
+            counts[delta.request_id] = counts.get(delta.request_id, 0) + 1
             if prefilled_at is not None:
-                generated_after += 1
+                generated_after += len(delta.new_token_ids)
         if prefilled_at is None and len(counts) == num:
             prefilled_at = time.perf_counter()
     end = time.perf_counter()

@@ -51,7 +51,7 @@ def live(loaded):
 
 def offline(loaded, prompts, params, block_size: int = 4):
     engine = LLMEngine(loaded, EngineConfig(num_blocks=512, block_size=block_size, max_model_len=MAX_MODEL_LEN))
-    return [o.text for o in run_to_completion(engine, prompts, params)]
+    return [o.outputs[0].text for o in run_to_completion(engine, prompts, params)]
 
 
 # --- the OpenAI client ------------------------------------------------------------------------
@@ -71,8 +71,9 @@ def test_models_health_and_metrics(live):
 
 def test_speculative_server_streams_plain_greedy_output_and_exports_acceptance(loaded):
     from fastdraft.speculative.config import SpeculativeConfig
+    from fastdraft.speculative.factory import speculator_factory
 
-    speculation = SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0)
+    speculation = speculator_factory(SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0))
     server = LiveServer(loaded, EngineConfig(num_blocks=512, block_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
                         MODEL, speculation=speculation)
     try:
@@ -416,7 +417,7 @@ def test_engine_process_serves_streams_aborts_and_drains(tiny_models):
         offline = LLMEngine(load_model(model_dir, dtype="bf16", load_in_low_bit="sym_int4"),
                             EngineConfig(num_blocks=256, block_size=16, max_model_len=MAX_MODEL_LEN))
         expected = run_to_completion(offline, prompts, [SamplingParams(max_new_tokens=12)] * len(prompts))
-        assert texts == [out.text for out in expected]
+        assert texts == [out.outputs[0].text for out in expected]
 
         body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}
