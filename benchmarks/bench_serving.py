@@ -12,7 +12,10 @@ and drives each with the same requests, the two systems in turn at each load:
 * ``--shared-prefix``: a ~1,000-token system prompt shared by every request with a short user
   turn, at concurrency 4, on fastdraft with prefix caching and without (a second server):
   TTFT p50 of each (after one request that puts the system prompt in the cache, as in steady
-  state), and the prefix-cache hit rate from ``/metrics``.
+  state), and the prefix-cache hit rate from ``/metrics``;
+* ``--baseline CHECKOUT``: fastdraft from another checkout (another commit) serves beside this
+  one, in every engine mode, each load run on the two in turn ``--rounds`` times, with fresh
+  prompts each round; it prints the median of the rounds' output tokens/s ratios.
 
 Prompts are about ``--prompt-tokens`` tokens of CPython's standard library sources, each its
 own slice and each load its own prompts (no load finds another's in the prefix cache); each request generates exactly ``--max-tokens`` tokens, greedy, EOS ignored. It
@@ -21,6 +24,7 @@ token over its other tokens) and inter-token latency p99, medians where runs rep
 
     python benchmarks/bench_serving.py --model qwen2.5-coder-0.5b-instruct --quant method=rtn,group_size=128
     python benchmarks/bench_serving.py --llama-server ./llama.cpp/build/bin/llama-server --shared-prefix
+    python benchmarks/bench_serving.py --concurrency 16 --engine-modes thread,process --baseline /tmp/base --rounds 2
 """
 
 from __future__ import annotations
@@ -154,13 +158,15 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 600) -> N
     raise SystemExit(f"the server at {url} did not become ready")
 
 
-def start_fastdraft(args: argparse.Namespace, port: int, extra: list[str]) -> subprocess.Popen:
+def start_fastdraft(args: argparse.Namespace, port: int, extra: list[str], checkout: Path | None = None) -> subprocess.Popen:
+    """``fastdraft serve`` on ``port``: this checkout's, or ``checkout``'s package."""
     cmd = [sys.executable, "-m", "fastdraft.cli", "serve", "--model", args.model, "--port", str(port),
            "--threads", str(args.threads), "--served-model-name", args.model, "--max-num-seqs",
            str(max(args.concurrency)), *extra]
     if args.quant != "none":
         cmd += ["--quant", args.quant]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=checkout, env=env)
     wait_ready(f"http://127.0.0.1:{port}", process)
     return process
 
@@ -227,6 +233,9 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="path to llama.cpp's llama-server binary (skipped without it)")
     parser.add_argument("--llama-ctx-per-slot", type=int, default=512)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another commit whose fastdraft serves beside this one, in turn")
+    parser.add_argument("--rounds", type=int, default=1, help="times each load runs on each system, interleaved")
     parser.add_argument("--port", type=int, default=8311, help="first of the local ports the servers use")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench_results/serving.json"))
@@ -244,45 +253,65 @@ def main() -> None:
         parser.error("--engine-modes takes thread, process or both")
     if args.llama_server is not None and not args.llama_server.is_file():
         parser.error(f"--llama-server: {args.llama_server} does not exist")
+    if args.baseline is not None and not (args.baseline / "fastdraft" / "cli.py").is_file():
+        parser.error(f"--baseline: {args.baseline} is not a fastdraft checkout")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     print(f"CPU: {cpu_model()}; fastdraft's kernels: {select_isa()}", flush=True)
     tokenizer = Tokenizer(pull(args.model))
     # Every load gets prompts of its own, so that none finds another load's prompts in the prefix cache.
-    loads = [*counts, args.poisson_requests if args.request_rate else 0]
+    loads = [*(num for num in counts for _ in range(args.rounds)), args.poisson_requests if args.request_rate else 0]
     pool = make_prompts(tokenizer, sum(loads) + 4, args.prompt_tokens, args.seed)
-    starts = [sum(loads[:i]) + 4 for i in range(len(loads))]
+    starts = [sum(loads[:i]) + 4 for i in range(len(loads))]  # each load and round, then Poisson
     results: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": []}
     lines = []
     fastdraft_url = f"http://127.0.0.1:{args.port}"
     # The first mode's server also serves the Poisson and shared-prefix runs; other modes use ports from +3.
     mode_urls = {mode: f"http://127.0.0.1:{args.port if i == 0 else args.port + 2 + i}"
                  for i, mode in enumerate(args.engine_modes)}
+    # (name, url, checkout): this checkout's servers, then the baseline's, one per engine mode.
+    fastdraft_systems = [("fastdraft" if len(mode_urls) == 1 else f"fastdraft, engine {mode}", url, None)
+                         for mode, url in mode_urls.items()]
+    if args.baseline is not None:
+        fastdraft_systems += [(f"baseline, engine {mode}", f"http://127.0.0.1:{args.port + 10 + i}", args.baseline)
+                              for i, mode in enumerate(mode_urls)]
     servers = []
+    ratios: dict[tuple[str, int], list[float]] = {}  # (engine mode, concurrency) -> per-round tok/s ratios
     try:
-        for mode, url in mode_urls.items():
+        for (name, url, checkout), mode in zip(fastdraft_systems, [*mode_urls, *mode_urls]):
             servers.append(start_fastdraft(args, int(url.rsplit(":", 1)[1]),
-                                           ["--engine-process"] if mode == "process" else []))
+                                           ["--engine-process"] if mode == "process" else [], checkout))
             asyncio.run(closed_loop(url, args.model, pool[:4], 2, 4, 8))  # warm-up
         for load, (concurrency, num) in enumerate(zip(args.concurrency, counts)):
-            prompts = pool[starts[load]:starts[load] + num]
-            systems = [("fastdraft" if len(mode_urls) == 1 else f"fastdraft, engine {mode}", url, None)
-                       for mode, url in mode_urls.items()]
+            systems = [(name, url, None) for name, url, _ in fastdraft_systems]
             if args.llama_server is not None:
                 systems.append(("llama-server", f"http://127.0.0.1:{args.port + 1}", concurrency))
-            for name, url, parallel in systems:
-                peer = start_llama_server(args, args.port + 1, parallel) if parallel else None
-                if peer is not None:  # its first requests set up its slots
-                    asyncio.run(closed_loop(url, args.model, pool[:4], 2, 2, 8))
-                try:
-                    run, wall = asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens))
-                finally:
-                    if peer is not None:
-                        stop(peer)
-                summary = summarize(run, wall)
-                results["rows"].append({"system": name, "load": f"concurrency {concurrency}", **summary})
-                lines.append(row_text(name, f"concurrency {concurrency}", summary))
-                print(lines[-1], flush=True)
-                write_json(args.json, results)
+            for round_index in range(args.rounds):
+                start = starts[load * args.rounds + round_index]
+                prompts = pool[start:start + num]
+                tok_s = {}
+                for name, url, parallel in systems:
+                    peer = start_llama_server(args, args.port + 1, parallel) if parallel else None
+                    if peer is not None:  # its first requests set up its slots
+                        asyncio.run(closed_loop(url, args.model, pool[:4], 2, 2, 8))
+                    try:
+                        run, wall = asyncio.run(closed_loop(url, args.model, prompts, concurrency, num,
+                                                            args.max_tokens))
+                    finally:
+                        if peer is not None:
+                            stop(peer)
+                    summary = summarize(run, wall)
+                    tok_s[name] = summary["output_tok_s"]
+                    results["rows"].append({"system": name, "load": f"concurrency {concurrency}",
+                                            "round": round_index, **summary})
+                    lines.append(row_text(name, f"concurrency {concurrency}", summary))
+                    print(lines[-1], flush=True)
+                    write_json(args.json, results)
+                for mode in mode_urls if args.baseline is not None else ():
+                    ours = tok_s["fastdraft" if len(mode_urls) == 1 else f"fastdraft, engine {mode}"]
+                    ratios.setdefault((mode, concurrency), []).append(ours / tok_s[f"baseline, engine {mode}"])
+        results["baseline_ratios"] = {f"{mode}, concurrency {c}": r for (mode, c), r in ratios.items()}
         if args.request_rate:
             prompts = pool[starts[-1]:starts[-1] + args.poisson_requests]
             run, wall = asyncio.run(poisson(fastdraft_url, args.model, prompts, args.request_rate,
@@ -331,6 +360,9 @@ def main() -> None:
         sp = results["shared_prefix"]
         print(f"\nshared prefix: prefix-cache hit rate {sp['hit_rate']:.1%}; TTFT p50 without caching / with: "
               f"{sp['ttft_p50_ratio']:.1f}x")
+    for (mode, concurrency), values in ratios.items():
+        print(f"\nengine {mode}, concurrency {concurrency}: output tok/s vs {args.baseline}: median "
+              f"{statistics.median(values):.3f}x (rounds: {', '.join(f'{v:.3f}' for v in values)})")
     print(f"\nresults written to {args.json}")
 
 
