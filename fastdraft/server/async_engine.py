@@ -2,7 +2,7 @@
 
 The event loop never waits on model work: requests and aborts go to the engine thread as
 commands, applied between steps, and each step's deltas come back to their requests'
-asyncio queues through ``call_soon_threadsafe``. The model's C++ kernels release the GIL, so
+asyncio queues through one ``call_soon_threadsafe`` a step. The model's C++ kernels release the GIL, so
 the event loop keeps serving HTTP while a step runs.
 """
 
@@ -114,6 +114,14 @@ class AsyncEngine:
         if queue is not None:
             queue.put_nowait(item)
 
+    def _deliver_step(self, deltas: list[RequestDelta], stats: StepStats) -> None:
+        """A step's deltas and counters, handed over in one call: one wake-up of the event
+        loop a step, not one per request."""
+        for delta in deltas:
+            self._deliver(delta.request_id, delta)
+        if self.on_step is not None:
+            self.on_step(stats)
+
     @torch.inference_mode()
     def _run(self) -> None:
         engine, loop = self.engine, self._loop
@@ -130,10 +138,7 @@ class AsyncEngine:
             if result.stats is None:
                 continue
             self._num_waiting = result.stats.num_waiting
-            for delta in result.deltas:
-                loop.call_soon_threadsafe(self._deliver, delta.request_id, delta)
-            if self.on_step is not None:
-                loop.call_soon_threadsafe(self.on_step, result.stats)
+            loop.call_soon_threadsafe(self._deliver_step, result.deltas, result.stats)
         for request_id in list(self._streams):  # stopped: nothing more will come
             engine.abort_request(request_id)
             loop.call_soon_threadsafe(self._deliver, request_id, EngineError("the server is shutting down"))
