@@ -21,6 +21,10 @@ from fastdraft.speculative.config import SpeculativeConfig
 from fastdraft.speculative.factory import speculator_factory
 
 
+def _is_prompt(prompt: object) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+
+
 class LLM:
     """vLLM-style offline inference.
 
@@ -28,9 +32,12 @@ class LLM:
     every prompt and steps until all are done, batching them over the paged KV cache. With
     ``speculative_model`` (a model of the same tokenizer, ``"self"`` or ``"ngram"``) decoding
     requests draft and verify tokens inside those batched steps; ``speculative_config`` (a
-    ``SpeculativeConfig`` or the dict of its fields) sets every speculation option instead."""
+    ``SpeculativeConfig`` or the dict of its fields) sets every speculation option instead.
 
-    def __init__(self, model: str, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
+    ``model`` is a name or path to load, or an already loaded model (a ``LoadedModel``: then
+    ``dtype``, ``device`` and ``load_in_low_bit`` are its own)."""
+
+    def __init__(self, model: str | LoadedModel, dtype: str = "bf16", device: str = "cpu", load_in_low_bit: str | None = None,
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
                  draft_device: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, kv_cache_memory: float | None = None, block_size: int = 16,
@@ -46,7 +53,12 @@ class LLM:
         elif speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, "
                              f"got {type(speculative_config).__name__}")
-        loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
+        if isinstance(model, LoadedModel):
+            if load_in_low_bit is not None:
+                raise ValueError("an already loaded model cannot be quantized on load: quantize it first")
+            loaded = model
+        else:
+            loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         self.tokenizer = loaded.tokenizer
         spec = speculative_config
         if speculative_model is not None:
@@ -58,13 +70,15 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant),
             speculation=None if spec is None else speculator_factory(spec))
 
-    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; ``sampling_params`` is one for all, or one per prompt."""
+        """Complete every prompt (text, or token ids); ``sampling_params`` is one for all, or
+        one per prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be a string or a list of strings")
+        if not isinstance(prompts, (list, tuple)) or not all(_is_prompt(p) for p in prompts):
+            raise ValueError("prompts must be a string, a list of strings, or a list of token-id lists")
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per_prompt):
@@ -143,7 +157,12 @@ class AutoModelForCausalLM:
             raise ValueError(f"speculative must be True or False, got {speculative!r}")
         if load_in_low_bit in ("bf16", "fp32"):
             dtype = load_in_low_bit
-        loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
+        if isinstance(model, LoadedModel):
+            if load_in_low_bit is not None:
+                raise ValueError("an already loaded model cannot be quantized on load: quantize it first")
+            loaded = model
+        else:
+            loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         spec = SpeculativeConfig(draft="self", num_speculative_tokens=num_speculative_tokens,
                                  draft_device=draft_device) if speculative else None
         assistant = assistant_model.loaded if assistant_model is not None else None

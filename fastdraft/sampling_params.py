@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS cannot be sampled before this many tokens
     logprobs: int | None = None  # report the chosen token's log-probability and this many top ones
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    detokenize: bool = True  # False: tokens only, no text (as vLLM's option; no stop strings then)
 
     def uses_engine_extras(self) -> bool:
         """Whether any option only the serving engine honours is set."""
@@ -60,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 2], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are found in the text: they need detokenize=True")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:

@@ -9,6 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+# Without a GPU, Triton's kernels run only through its interpreter; it is chosen when they are
+# compiled, so before any test imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.helpers import VARIANTS, build_hf_model, build_tiny_tokenizer, write_tokenizer_files
 
 REAL_MODEL = "qwen2.5-coder-0.5b-instruct"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 
@@ -30,3 +32,18 @@ def test_no_function_level_imports_of_the_package_below_the_front_doors():
             if line.startswith((" ", "\t")) and line.lstrip().startswith(("from fastdraft", "import fastdraft")):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_two_modules_or_public_classes_share_a_name():
+    """A name says one thing: ``metrics.py`` or ``RequestOutput`` in two places make a reader
+    (and an import) guess which is meant."""
+    modules, classes = defaultdict(list), defaultdict(list)
+    for path in sorted((ROOT / "fastdraft").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if path.name != "__init__.py":
+            modules[path.stem].append(where)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                classes[node.name].append(where)
+    assert not {name: paths for name, paths in modules.items() if len(paths) > 1}
+    assert not {name: paths for name, paths in classes.items() if len(paths) > 1}

@@ -266,6 +266,8 @@ class LLMEngine:
         new_ids = seq.token_ids[seq.num_prompt_tokens + request.num_sent:]
         # A sequence ended by EOS (the scheduler's call) ends its text before that token.
         num_text = len(new_ids) - (seq.finish_reason == "stop" and isinstance(seq.stop_reason, int))
+        if not seq.params.detokenize:
+            num_text = 0
         text = ""
         for i in range(num_text):
             text += request.stop.feed(request.detokenizer.add(new_ids[i]))

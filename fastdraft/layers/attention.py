@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.kernels import triton_attention
 from fastdraft.kernels.fused import paged_attention_kernel_applies, per_token_attention, sdpa
 from fastdraft.kernels.fused import paged_attention as paged_attention_kernel
 from fastdraft.layers.kv_cache import PagedAttentionMetadata
@@ -23,12 +24,25 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     On CPUs with fastdraft's kernels, one C++ call reads every sequence's keys and values
     straight from its blocks and computes each query row as a one-token decode step would,
     whatever else the step holds: prefill, chunked prefill, decode and verification agree bit
-    for bit. Elsewhere (CUDA, no kernels, a block size the kernel does not take), each
-    sequence's keys are gathered and its new tokens attend in PyTorch: a whole prompt causally,
-    a few tokens after cached ones each over its own prefix, a longer chunk through a mask."""
+    for bit. On a GPU with Triton, one Triton launch does the same for the whole step
+    (``kernels/triton_attention.py``). Elsewhere, :func:`reference_paged_attention`, the twin
+    both are tested against."""
     if paged_attention_kernel_applies(q, k_blocks):
         return paged_attention_kernel(q, k_blocks, v_blocks, meta.block_tables, meta.query_start_loc_tensor,
                                       meta.context_lens_tensor, scale)
+    if triton_attention.applies(q, k_blocks):
+        device_meta = meta.int32_tensors()
+        return triton_attention.paged_attention(q, k_blocks, v_blocks, device_meta.block_tables,
+                                                device_meta.seq_lens, device_meta.query_start_loc,
+                                                meta.max_context_len, scale)
+    return reference_paged_attention(q, k_blocks, v_blocks, meta, scale)
+
+
+def reference_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                              meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` in plain PyTorch: each sequence's keys are gathered and its new
+    tokens attend: a whole prompt causally, a few tokens after cached ones each over its own
+    prefix (as a one-token step does), a longer chunk through a mask."""
     num_heads, num_kv_heads, head_dim = q.shape[1], k_blocks.shape[1], k_blocks.shape[3]
     group = num_heads // num_kv_heads
     num_seqs = meta.block_tables.shape[0]

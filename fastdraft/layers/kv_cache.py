@@ -15,7 +15,16 @@ from typing import NamedTuple
 import torch
 
 from fastdraft.config import ModelConfig
+from fastdraft.kernels import triton_attention
 from fastdraft.kernels.memory import huge_page_zeros
+
+
+class DeviceMetadata(NamedTuple):
+    """A step's metadata as int32 tensors on its device, for GPU kernels (built once a step)."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
 
 
 class PagedAttentionMetadata:
@@ -51,7 +60,18 @@ class PagedAttentionMetadata:
         self.block_tables = block_tables
         self.num_tokens = positions.shape[0]
         self.num_seqs = len(context_lens)
+        self.max_context_len = max(context_lens, default=0)
         self.device = positions.device
+        self._int32: DeviceMetadata | None = None
+
+    def int32_tensors(self) -> DeviceMetadata:
+        """Block tables, context lengths and query offsets as int32 on the batch's device, made
+        on first use and shared by every layer of the pass."""
+        if self._int32 is None:
+            lengths = torch.tensor([self.query_start_loc, [*self.context_lens, 0]], dtype=torch.int32)
+            lengths = lengths.to(self.device, non_blocking=True)  # one copy for both
+            self._int32 = DeviceMetadata(self.block_tables.to(torch.int32), lengths[1, :-1], lengths[0])
+        return self._int32
 
 
 class Span(NamedTuple):
@@ -120,6 +140,9 @@ class PagedKVCache:
         """Write new keys/values ``[num_tokens, num_kv_heads, head_dim]`` to their slots;
         return this layer's blocks ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
         k_layer, v_layer = self.k[layer_idx], self.v[layer_idx]
+        if triton_attention.applies(k, k_layer):  # one launch on a GPU
+            triton_attention.write_kv(k, v, k_layer, v_layer, meta.slot_mapping)
+            return k_layer, v_layer
         blocks = meta.slot_mapping // self.block_size
         offsets = meta.slot_mapping % self.block_size
         # Advanced indices around a slice put the indexed dims first: [num_tokens, heads, dim].

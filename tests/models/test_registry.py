@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fastdraft.config import ModelConfig
 from fastdraft.models import registry
 from fastdraft.models.registry import (
     KNOWN_MODELS,
@@ -38,7 +39,7 @@ def _chunks(tmp_path: Path, sizes=(1000, 2500, 7)) -> tuple[list[Path], bytes]:
 def _source(data: bytes, **overrides) -> ModelSource:
     fields = dict(name="fake", description="fake model", wheels=(Wheel("fake-part1", "1.0", "0" * 64),),
                   chunk_glob="*/part*.bin", gguf_sha256=hashlib.sha256(data).hexdigest(),
-                  gguf_num_bytes=len(data))
+                  gguf_num_bytes=len(data), architecture=KNOWN_MODELS["smollm2-135m-instruct"].architecture)
     fields.update(overrides)
     return ModelSource(**fields)
 
@@ -159,3 +160,27 @@ def test_default_home(monkeypatch, tmp_path):
     monkeypatch.delenv("FASTDRAFT_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert fastdraft_home() == tmp_path / ".cache" / "fastdraft"
+
+
+def test_every_known_model_has_a_shape():
+    for name, source in KNOWN_MODELS.items():
+        arch = source.architecture
+        assert min(arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
+                   arch.head_dim, arch.intermediate_size, arch.vocab_size) > 0, name
+        assert arch.num_attention_heads % arch.num_key_value_heads == 0, name
+        if arch.model_type in ("llama", "qwen2"):
+            config = arch.model_config()
+            assert (config.hidden_size, config.vocab_size, config.head_dim) == (arch.hidden_size, arch.vocab_size,
+                                                                                 arch.head_dim)
+        else:
+            with pytest.raises(ValueError, match="unsupported model_type"):
+                arch.model_config()
+
+
+@pytest.mark.real_model
+def test_the_shape_matches_the_pulled_models_config(real_model_dir):
+    config = ModelConfig.from_file(real_model_dir / "config.json")
+    arch = KNOWN_MODELS[real_model_dir.name].architecture
+    for name in arch.__dataclass_fields__:
+        expected = getattr(config, name)
+        assert getattr(arch, name) == (pytest.approx(expected) if isinstance(expected, float) else expected), name
