@@ -31,7 +31,7 @@ import json, sys
 import torch
 import fastdraft
 from fastdraft import TextGenerator, load_model
-from fastdraft.quant.config import parse_quant_spec
+from fastdraft.quant.quant_config import parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 

@@ -32,7 +32,7 @@ import fastdraft.kernels.fused as fused
 import fastdraft.kernels.x86 as x86
 from fastdraft.layers.kv_cache import SequenceCache
 import fastdraft.models.fused_decoder as fused_decoder
-from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
+from fastdraft.quant.quant_config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 
 # Modules that bound ``load_cpu_kernels`` by name: pointed at one build at a time.

@@ -22,11 +22,11 @@ from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.factory import prepare_draft
 
 

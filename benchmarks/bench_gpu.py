@@ -28,7 +28,7 @@ from fastdraft.fileio import write_json
 from fastdraft.llm import LLM
 from fastdraft.models.files import LoadedModel, build_model
 from fastdraft.models.registry import KNOWN_MODELS
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 

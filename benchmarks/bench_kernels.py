@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_latency import measure_bandwidth  # noqa: E402
 
-from fastdraft.config import ModelConfig  # noqa: E402
+from fastdraft.model_config import ModelConfig  # noqa: E402
 from fastdraft.formats import PER_CHANNEL, quantize  # noqa: E402
 from fastdraft.kernels.aten import AtenInt4Kernel, AtenInt8Kernel  # noqa: E402
 from fastdraft.kernels.x86 import X86WoqKernel  # noqa: E402

@@ -133,7 +133,7 @@ def run_interleaved(systems: dict[str, System], prompt_ids: list[int], args: arg
 
 
 def setup_fastdraft(name: str, dtype: str, quant: str | None = None) -> System:
-    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.quant.quant_config import parse_quant_spec
 
     config = None if quant is None else parse_quant_spec(quant)
     # method=gguf: the GGUF file's own blocks, the weights llama.cpp runs.
@@ -239,7 +239,7 @@ def agreement(a: list[int], b: list[int]) -> float:
 def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
     """KV cache bytes a decode step reads at the run's mean context (16-bit keys and values,
     as both fastdraft's bf16 cache and llama.cpp's default f16 cache store them)."""
-    from fastdraft.config import ModelConfig
+    from fastdraft.model_config import ModelConfig
 
     config = ModelConfig.from_file(model_dir / "config.json")
     mean_context = num_prompt + num_new / 2
@@ -351,7 +351,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     if not args.no_dense:
         setups["fastdraft"] = lambda: setup_fastdraft(name, args.dtype)
     for spec in args.quant:
-        from fastdraft.quant.config import parse_quant_spec
+        from fastdraft.quant.quant_config import parse_quant_spec
 
         setups[f"fastdraft {parse_quant_spec(spec).label}"] = lambda spec=spec: setup_fastdraft(name, args.dtype, spec)
     if not args.no_hf:

@@ -33,11 +33,11 @@ from fastdraft.engine.loader import load_model
 from fastdraft.engine.metrics import SpecMetrics
 from fastdraft.engine.output import RequestCollector
 from fastdraft.process import configure_process
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.factory import speculator_factory
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

@@ -40,7 +40,7 @@ from fastdraft.fileio import write_json
 from fastdraft.kernels.build import cpu_model, load_cpu_kernels
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 from fastdraft.process import configure_process
-from fastdraft.quant.config import parse_quant_spec
+from fastdraft.quant.quant_config import parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import argparse
 from fastdraft import load_model
 from fastdraft.fileio import check_output_path
 from fastdraft.quant.checkpoint import save_quantized
-from fastdraft.quant.config import parse_quant_spec
+from fastdraft.quant.quant_config import parse_quant_spec
 from fastdraft.quant.data import TEST, calibration_samples
 from fastdraft.quant.evaluate import EvalWindows, evaluate, format_table, score_reference
 from fastdraft.quant.quantizer import quantize_model

@@ -6,16 +6,16 @@ models calls :func:`configure_process` once at start (malloc tuning, threads): f
 constructors leave process-wide settings alone.
 """
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.engine.output import CompletionOutput, RequestOutput
 from fastdraft.generator import TextGenerator
 from fastdraft.llm import LLM, AutoModelForCausalLM
 from fastdraft.process import configure_process
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 
 __version__ = "0.1.0"
 __all__ = [

@@ -174,7 +174,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     from fastdraft.engine.loader import load_model
     from fastdraft.generator import TextGenerator
     from fastdraft.sampling_params import SamplingParams
-    from fastdraft.speculative.config import SpeculativeConfig
+    from fastdraft.speculative.speculative_config import SpeculativeConfig
 
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
@@ -227,7 +227,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from fastdraft.engine.llm_engine import EngineConfig
-    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.quant.quant_config import parse_quant_spec
     from fastdraft.server.app import ServerConfig, build_app, serve
 
     quant = parse_quant_spec(args.quant) if args.quant else None  # bad specs fail before the server starts
@@ -242,7 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     # A partial of a module-level function: picklable, for an engine in its own process.
     speculation = None
     if args.speculative:
-        from fastdraft.speculative.config import SpeculativeConfig
+        from fastdraft.speculative.speculative_config import SpeculativeConfig
 
         speculation = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     load_engine = functools.partial(_serving_engine, args.model, args.dtype, quant, args.load_in_low_bit,
@@ -257,7 +257,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     from fastdraft.engine.loader import load_model
     from fastdraft.fileio import check_output_path
     from fastdraft.quant.checkpoint import save_quantized
-    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.quant.quant_config import parse_quant_spec
 
     if args.output:  # fail now, not after minutes of quantization
         check_output_path(args.output, is_dir=True)
@@ -328,7 +328,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     from fastdraft.engine.loader import load_model
     from fastdraft.fileio import check_output_path, write_json
     from fastdraft.models.files import resolve_model_dir
-    from fastdraft.quant.config import parse_quant_spec
+    from fastdraft.quant.quant_config import parse_quant_spec
     from fastdraft.quant.data import TEST, read_text_files
     from fastdraft.quant.evaluate import EvalWindows, compare, evaluate, format_table, format_text_table
 

@@ -16,7 +16,7 @@ from fastdraft.engine.metrics import GenerationMetrics
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.factory import speculator_factory
 from fastdraft.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.engine.output import RequestOutput
 from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.factory import speculator_factory
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 
 BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastdraft.quant.config import QuantConfig, parse_quant_spec
+from fastdraft.quant.quant_config import QuantConfig, parse_quant_spec
 from fastdraft.formats import (
     PER_CHANNEL,
     SUPPORTED_GROUP_SIZES,

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.models.files import (LoadedModel, build_model, gguf_source, load_state_dict, parse_device,
                                      parse_dtype, resolve_model_dir)
 from fastdraft.quant.checkpoint import build_quantized_model, quant_config_from_model_config
-from fastdraft.quant.config import LOW_BIT_NAMES, QuantConfig
+from fastdraft.quant.quant_config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.gguf_native import apply_gguf_native
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.tokenizer import Tokenizer

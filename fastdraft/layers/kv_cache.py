@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.kernels import triton_attention
 from fastdraft.kernels.memory import huge_page_zeros
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, original_gguf, pull

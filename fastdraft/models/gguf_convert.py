@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.fileio import atomic_dir
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.kernels.fused import rotary, silu_and_mul
 from fastdraft.layers.attention import paged_attention
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.fileio import fastdraft_home
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
 

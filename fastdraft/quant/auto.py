@@ -30,7 +30,7 @@ from fastdraft.fileio import atomic_write, write_json
 from fastdraft.formats import PER_CHANNEL
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.files import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import LAYER_LINEARS, METHODS, QuantConfig, parse_quant_spec
+from fastdraft.quant.quant_config import LAYER_LINEARS, METHODS, QuantConfig, parse_quant_spec
 from fastdraft.quant.data import SELECTION, TEST, TextSet, calibration_samples
 from fastdraft.quant.evaluate import (CONFIDENCE, EvalResult, EvalWindows, compare, evaluate, format_interval,
                                       score_reference)

@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 
 from fastdraft.fileio import atomic_dir
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.files import build_model
-from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
+from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.quantizer import replace_module
 
 QUANT_METHOD_TAG = "fastdraft"

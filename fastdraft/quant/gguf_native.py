@@ -37,7 +37,7 @@ from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_i
 from fastdraft.layers.quant_linear import QuantLinear, exact_min_rows
 from fastdraft.models.gguf_convert import unpermute_llama
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
+from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.quantizer import quant_linear, replace_module
 
 logger = logging.getLogger(__name__)

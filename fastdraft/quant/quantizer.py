@@ -19,7 +19,7 @@ from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fastdraft.quant import awq
-from fastdraft.quant.config import ATTN_INPUT, LAYER_LINEARS, MLP_INPUT, QuantConfig
+from fastdraft.quant.quant_config import ATTN_INPUT, LAYER_LINEARS, MLP_INPUT, QuantConfig
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
 
 logger = logging.getLogger(__name__)

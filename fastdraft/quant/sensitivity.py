@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastdraft.models.files import LoadedModel, build_model
-from fastdraft.quant.config import LAYER_LINEARS, QuantConfig
+from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.evaluate import EvalWindows, ReferenceScores, evaluate
 from fastdraft.quant.quantizer import quantize_model
 

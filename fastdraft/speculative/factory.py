@@ -18,9 +18,9 @@ from fastdraft.fileio import fastdraft_home
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.linear import is_dense_linear
 from fastdraft.models.files import LoadedModel, build_model, load_state_dict
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
-from fastdraft.speculative.config import NGRAM, SELF, SpeculativeConfig
+from fastdraft.speculative.speculative_config import NGRAM, SELF, SpeculativeConfig
 from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, measure_pass_cost
 from fastdraft.speculative.draft_vocab import frequent_token_ids, restrict_lm_head
 from fastdraft.speculative.proposer import DraftModelProposer, NgramProposer

@@ -16,7 +16,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedKVCache
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from tests.helpers import paged_batch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 from tests.helpers import append_pass
 

@@ -16,10 +16,10 @@ from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import apply_penalties
 from fastdraft.llm import LLM
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from tests.helpers import paged_batch
 
 PROMPTS = ["def add(a, b):", "class Model:\n    def __init__(self):", "import os\n", "x = 1\ny = 2\n" * 6,

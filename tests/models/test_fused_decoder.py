@@ -11,7 +11,7 @@ from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import append_pass, paged_batch

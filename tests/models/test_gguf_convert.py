@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf

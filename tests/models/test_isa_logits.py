@@ -10,7 +10,7 @@ import torch
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import clear_caches, load_cpu_kernels
 from fastdraft.layers.kv_cache import SequenceCache
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from tests.engine.test_batch_invariance import check_invariance
 from tests.helpers import append_pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.files import build_model, load_state_dict
 from tests.helpers import append_pass

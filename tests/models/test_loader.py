@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.files import build_model, load_state_dict, parse_dtype, resolve_model_dir

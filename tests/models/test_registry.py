@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdraft.config import ModelConfig
+from fastdraft.model_config import ModelConfig
 from fastdraft.models import registry
 from fastdraft.models.registry import (
     KNOWN_MODELS,

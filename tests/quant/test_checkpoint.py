@@ -7,7 +7,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear
 from fastdraft.quant.checkpoint import save_quantized
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import calibration_samples
 from fastdraft.quant.quantizer import quantize_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from fastdraft.cli import main
 from fastdraft.engine.loader import load_model
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import EvalText, read_text_files
 from fastdraft.quant.evaluate import EvalWindows, compare, evaluate, score_reference
 from fastdraft.quant.quantizer import quantize_model

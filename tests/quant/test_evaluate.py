@@ -12,7 +12,7 @@ from fastdraft.engine.timing import DecodeStepTimer
 from fastdraft.quant import auto
 from fastdraft.quant.auto import (AutoResult, AutoSearchSpace, Candidate, auto_quantize, estimate_weight_bytes,
                                   report_markdown)
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import (SELECTION, SELECTION_CODE_FILES, TEST, TEST_CODE_FILES, EvalText, TextSet,
                                   calibration_code_files, calibration_samples, prose_files, stdlib_root)
 from fastdraft.quant.evaluate import (EvalResult, EvalWindows, WindowScore, evaluate, full_kl,

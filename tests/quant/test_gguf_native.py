@@ -18,7 +18,7 @@ from fastdraft.formats import WeightFormat, dequantize
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.registry import fastdraft_home
 from fastdraft.quant.checkpoint import save_quantized
-from fastdraft.quant.config import QuantConfig, format_spec, parse_format_spec
+from fastdraft.quant.quant_config import QuantConfig, format_spec, parse_format_spec
 from fastdraft.quant.gguf_native import native_weight
 from fastdraft.quant.quantizer import quantize_model
 from tests.helpers import write_tiny_gguf

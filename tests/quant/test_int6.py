@@ -8,7 +8,7 @@ import torch
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.quant.checkpoint import save_quantized
-from fastdraft.quant.config import QuantConfig, parse_quant_spec
+from fastdraft.quant.quant_config import QuantConfig, parse_quant_spec
 from fastdraft.quant.quantizer import quantize_model
 
 

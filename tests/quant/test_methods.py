@@ -98,7 +98,7 @@ def test_quantizing_a_model_leaves_its_state_dict_unchanged(tiny_models, method)
     # The auto flow builds every candidate from one state dict, which build_model's models share.
     from fastdraft.engine.loader import load_model
     from fastdraft.models.files import build_model, load_state_dict
-    from fastdraft.quant.config import QuantConfig
+    from fastdraft.quant.quant_config import QuantConfig
     from fastdraft.quant.data import calibration_samples
     from fastdraft.quant.quantizer import quantize_model
 

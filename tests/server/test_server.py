@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from fastdraft.cli import build_parser
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
-from fastdraft.quant.config import QuantConfig
+from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import LiveServer, free_port, wait_healthy
@@ -70,7 +70,7 @@ def test_models_health_and_metrics(live):
 
 
 def test_speculative_server_streams_plain_greedy_output_and_exports_acceptance(loaded):
-    from fastdraft.speculative.config import SpeculativeConfig
+    from fastdraft.speculative.speculative_config import SpeculativeConfig
     from fastdraft.speculative.factory import speculator_factory
 
     speculation = speculator_factory(SpeculativeConfig(draft="self", is_adaptive=False, min_confidence=0.0))

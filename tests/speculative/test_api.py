@@ -5,7 +5,7 @@ import torch
 
 import fastdraft
 from fastdraft import LLM, AutoModelForCausalLM, SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 
 
 def test_llm_generate_plain_and_self_speculative_agree(tiny_models):

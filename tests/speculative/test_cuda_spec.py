@@ -7,7 +7,7 @@ import torch
 from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 
 pytestmark = [
     pytest.mark.cuda,

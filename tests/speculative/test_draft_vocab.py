@@ -13,7 +13,7 @@ from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.speculative import draft_vocab
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.draft_length import DraftLengthPolicy, PassCost
 from fastdraft.speculative.draft_vocab import frequent_token_ids, ranked_token_ids, restrict_lm_head
 from fastdraft.speculative.factory import speculator_factory

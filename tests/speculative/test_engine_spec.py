@@ -17,7 +17,7 @@ from fastdraft.engine.speculation import DraftBatch, Speculator
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.speculative.config import SpeculativeConfig
+from fastdraft.speculative.speculative_config import SpeculativeConfig
 from fastdraft.speculative.factory import build_proposer, check_vocab_compatible, speculator_factory
 from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost
 from fastdraft.speculative.proposer import NgramIndex, NgramProposer, _match_vocab
