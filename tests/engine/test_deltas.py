@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from fastdraft.engine import block_manager
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.output import RequestCollector
 from fastdraft.engine.sequence import Sequence
+from fastdraft.llm import LLM
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -85,3 +88,21 @@ def test_commit_hashes_only_the_blocks_a_step_filled(monkeypatch):
     # The keys chain as before: a new sequence with the same prefix finds every full block.
     other = Sequence(list(range(1, 31)) + [99])
     assert len(bm.cached_prefix_blocks(other)) == 7
+
+
+def test_llm_runs_a_loaded_model_on_token_ids_without_text(qwen2_loaded, tiny_models):
+    llm = LLM(qwen2_loaded, max_model_len=64, kv_cache_memory=0.01)
+    by_name = LLM(str(tiny_models.dir("qwen2")), dtype="fp32", max_model_len=64, kv_cache_memory=0.01)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, detokenize=False)
+    out = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    expected = by_name.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in expected]
+    assert all(len(o.outputs[0].token_ids) == 5 and o.outputs[0].text == "" for o in out)
+    assert out[0].prompt_token_ids == [5, 6, 7] and out[0].prompt is None
+    with_text = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert with_text.outputs[0].token_ids == out[0].outputs[0].token_ids
+    assert with_text.outputs[0].text == qwen2_loaded.tokenizer.decode(out[0].outputs[0].token_ids)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="token-id lists"):
+        llm.generate([[1, "a"]], params)
