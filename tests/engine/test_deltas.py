@@ -101,7 +101,9 @@ def test_llm_runs_a_loaded_model_on_token_ids_without_text(qwen2_loaded, tiny_mo
     assert out[0].prompt_token_ids == [5, 6, 7] and out[0].prompt is None
     with_text = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert with_text.outputs[0].token_ids == out[0].outputs[0].token_ids
-    assert with_text.outputs[0].text == qwen2_loaded.tokenizer.decode(out[0].outputs[0].token_ids)
+    # The streamed text holds back a trailing partial UTF-8 character; the rest is the decoding.
+    text = with_text.outputs[0].text
+    assert text and qwen2_loaded.tokenizer.decode(out[0].outputs[0].token_ids).startswith(text)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
     with pytest.raises(ValueError, match="token-id lists"):
