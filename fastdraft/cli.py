@@ -102,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="step the engine in a child process instead of a thread (see docs/server.md)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for running requests before exiting (default 30)")
+    srv.add_argument("--backend", choices=["local", "ray"], default="local",
+                     help="one engine in this process (local), or engine replicas on Ray Serve (ray)")
+    srv.add_argument("--replicas", type=_positive_int, default=1, help="Ray: engine replicas (default 1)")
+    srv.add_argument("--address", default=None,
+                     help="Ray: the cluster to join ('auto': the local one running); default: start one")
+    srv.add_argument("--num-cpus-per-replica", type=_positive_int, default=1,
+                     help="Ray: CPUs (and torch threads) each replica takes (default 1)")
+    srv.add_argument("--autoscaling-config", default=None, metavar="FILE",
+                     help="Ray: a JSON file of Ray Serve's autoscaling_config (min_replicas, max_replicas, "
+                          "target_ongoing_requests, ...), replacing --replicas")
 
     quant = sub.add_parser("quantize", help="quantize a model (one config, or --auto search)")
     quant.add_argument("--model", default=DEFAULT_MODEL)
@@ -247,8 +257,33 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         speculation = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     load_engine = functools.partial(_serving_engine, args.model, args.dtype, quant, args.load_in_low_bit,
                                     engine_config, speculation)
+    if args.backend == "ray":
+        _serve_on_ray(args, load_engine, config)
+        return
     serve(build_app(load_engine, config), args.host, args.port, args.graceful_timeout,
           log_level="info" if args.verbose else "warning")
+
+
+def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
+    """``fastdraft serve --backend ray``: start (or join) a Ray cluster, run the replicas and
+    the ingress on it, and serve until SIGTERM or SIGINT, which drain open streams."""
+    import json
+    import signal
+    import threading
+    from pathlib import Path
+
+    from fastdraft.server.ray_app import RayServeConfig, run_on_ray
+
+    autoscaling = None
+    if args.autoscaling_config:
+        autoscaling = json.loads(Path(args.autoscaling_config).read_text(encoding="utf-8"))
+    ray_config = RayServeConfig(num_replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica,
+                                max_ongoing_requests=args.max_num_seqs, autoscaling=autoscaling,
+                                graceful_shutdown_timeout_s=args.graceful_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_on_ray(load_engine, config, ray_config, args.host, args.port, args.address, stop)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:

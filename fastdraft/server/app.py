@@ -33,7 +33,7 @@ from fastdraft.engine.llm_engine import LLMEngine
 from fastdraft.engine.output import RequestCollector, RequestDelta
 from fastdraft.engine.request import RejectedRequest, check_request
 from fastdraft.server.async_engine import AsyncEngine
-from fastdraft.server.engine_client import EngineClient, EngineError, QueueFullError, RequestStream
+from fastdraft.server.engine_client import EngineClient, EngineError, QueueFullError, RequestStream, StepStats
 from fastdraft.server.engine_process import EngineProcess
 from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
@@ -72,10 +72,14 @@ class _State:
         self.load_error: BaseException | None = None
 
 
-def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
+def build_app(load_engine: Callable[[], LLMEngine] | None, config: ServerConfig,
+              connect: Callable[[Callable[[StepStats], None]], EngineClient] | None = None) -> FastAPI:
     """The app; ``load_engine`` runs on a thread at start-up, or in the engine's child process
     with ``config.engine_process`` (``/health`` says 503 until it is done), so the port answers
-    while the model loads."""
+    while the model loads. ``connect``, instead, makes a client of engines served elsewhere (Ray
+    Serve replicas), given the step-statistics callback."""
+    if (load_engine is None) == (connect is None):
+        raise ValueError("give load_engine or connect, not both")
     state = _State()
     metrics = ServerMetrics(config.served_model_name)
 
@@ -85,7 +89,9 @@ def build_app(load_engine: Callable[[], LLMEngine], config: ServerConfig) -> Fas
 
         def load() -> None:
             try:
-                if config.engine_process:
+                if connect is not None:
+                    async_engine = connect(metrics.record_step)
+                elif config.engine_process:
                     async_engine = EngineProcess(load_engine, config.max_queue, metrics.record_step)
                 else:
                     async_engine = AsyncEngine(load_engine(), config.max_queue, metrics.record_step)

@@ -48,6 +48,11 @@ class AsyncEngine:
         self._loop = loop
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the step loop's thread runs."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread after its current step; requests still running are aborted."""
         self._stopping = True

@@ -1,0 +1,310 @@
+"""fastdraft behind Ray Serve: engine replicas across a cluster, one OpenAI-compatible ingress.
+
+* :class:`EngineDeployment` holds one fastdraft engine per replica (its step loop on a thread,
+  as ``fastdraft serve`` runs it) and streams each request's deltas back through Ray.
+* :class:`Ingress` serves the same FastAPI routes, checks and error shapes as the single-process
+  server; its engine client (:class:`RayEngineClient`) sends each request to a replica through a
+  streaming ``DeploymentHandle`` and hands the deltas on as they arrive.
+
+``build_app(args)`` is the application ``serve run fastdraft.server.ray_app:build_app`` and
+``serve deploy`` load; ``fastdraft serve --backend ray`` builds and runs the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
+from fastdraft.engine.loader import load_model
+from fastdraft.engine.output import RequestDelta
+from fastdraft.models.registry import DEFAULT_MODEL
+from fastdraft.process import configure_process
+from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
+from fastdraft.server.async_engine import AsyncEngine
+from fastdraft.server.engine_client import EngineError, QueuedRequest, QueueFullError, RequestStream, StepStats
+from fastdraft.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Seconds a replica being removed waits for its open streams to finish.
+GRACEFUL_SHUTDOWN_S = 120.0
+
+
+@dataclass
+class RayServeConfig:
+    """How the replicas run; checked with ``ValueError``.
+
+    ``autoscaling`` (Ray Serve's ``autoscaling_config``: ``min_replicas``, ``max_replicas``,
+    ``target_ongoing_requests``, ...) replaces the fixed ``num_replicas`` when given."""
+
+    num_replicas: int = 1
+    num_cpus_per_replica: int = 1
+    max_ongoing_requests: int = 64
+    autoscaling: dict[str, Any] | None = None
+    graceful_shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.num_cpus_per_replica < 1 or self.max_ongoing_requests < 1:
+            raise ValueError("num_replicas, num_cpus_per_replica and max_ongoing_requests must be positive")
+        if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
+            raise ValueError("autoscaling must be a dict of Ray Serve's autoscaling_config fields")
+        if self.graceful_shutdown_timeout_s <= 0:
+            raise ValueError("graceful_shutdown_timeout_s must be positive")
+
+
+@dataclass
+class EngineInfo:
+    """What the ingress needs of the engine to check and tokenize requests."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+
+
+class EngineDeployment:
+    """One replica: a fastdraft engine, its step loop on a thread (made a Ray Serve deployment
+    by :func:`deployments`)."""
+
+    def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int) -> None:
+        configure_process(num_threads=num_threads)
+        engine = load_engine()
+        self.info_ = EngineInfo(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+        self.engine = AsyncEngine(engine, max_queue)
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:  # on the replica's event loop, which the constructor does not run on
+            self.engine.start(asyncio.get_running_loop())
+            self._started = True
+
+    async def info(self) -> EngineInfo:
+        return self.info_
+
+    async def generate(self, requests: list[QueuedRequest]) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Queue ``requests`` together and yield (index, delta) as they come, until each has
+        finished; the caller going away (the stream cancelled) aborts the unfinished ones."""
+        self._start()
+        streams = await self.engine.add_requests(requests)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    await queue.put((index, delta))
+            except EngineError as e:
+                await queue.put((index, e))
+            await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, EngineError):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.close()
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: the engine's step loop must be alive."""
+        if self._started and not self.engine.is_alive:
+            raise RuntimeError("the engine loop has stopped")
+
+
+@dataclass
+class _Call:
+    """One streaming call to a replica: the task relaying it, and its requests still open."""
+
+    task: asyncio.Task | None = None
+    open_ids: set[str] = field(default_factory=set)
+
+
+class RayEngineClient:
+    """The ingress's :class:`~fastdraft.server.engine_client.EngineClient` over a handle to
+    the engine replicas: each add is one streaming call to a replica, whose deltas go to the
+    requests' streams as they arrive. Aborting every request of a call cancels it, and the
+    replica aborts them."""
+
+    def __init__(self, handle: DeploymentHandle, max_queue: int,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.handle = handle
+        self.max_queue = max_queue
+        self.info: EngineInfo | None = None
+        self._num_waiting = 0  # requests sent and not yet past their first delta
+        self._calls: dict[str, _Call] = {}  # request id -> its call
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Fetch the engine's tokenizer and limits (call it off the event loop)."""
+        self.info = asyncio.run_coroutine_threadsafe(self._fetch_info(), loop).result()
+
+    async def _fetch_info(self) -> EngineInfo:
+        return await self.handle.info.remote()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for call in list(self._calls.values()):
+            if call.task is not None:
+                call.task.cancel()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.info.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    async def add_requests(self, requests: list[QueuedRequest]) -> list[RequestStream]:
+        if self._num_waiting + len(requests) > self.max_queue:
+            raise QueueFullError(f"{self._num_waiting} requests are waiting; the limit is {self.max_queue}")
+        streams = [RequestStream(self, request_id, prompt) for prompt, _, request_id in requests]
+        call = _Call(open_ids={stream.request_id for stream in streams})
+        for stream in streams:
+            self._calls[stream.request_id] = call
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        response = self.handle.options(stream=True).generate.remote(requests)
+        call.task = asyncio.create_task(self._relay(response, streams, accepted))
+        try:
+            await accepted  # the first delta, or the engine's refusal
+        except BaseException:
+            call.task.cancel()
+            raise
+        return streams
+
+    async def _relay(self, response, streams: list[RequestStream], accepted: asyncio.Future) -> None:
+        is_waiting = [True] * len(streams)
+        self._num_waiting += len(streams)
+        try:
+            async for index, delta in response:
+                if not accepted.done():
+                    accepted.set_result(None)
+                if is_waiting[index]:
+                    is_waiting[index] = False
+                    self._num_waiting -= 1
+                streams[index].queue.put_nowait(delta)
+            if not accepted.done():
+                accepted.set_result(None)
+        except asyncio.CancelledError:
+            response.cancel()  # the replica aborts what is unfinished
+            raise
+        except Exception as e:  # a refusal before any delta reaches the route as the engine's error
+            if not accepted.done():
+                accepted.set_exception(e)
+            else:
+                for stream in streams:
+                    stream.queue.put_nowait(EngineError(f"the engine replica failed: {e}"))
+        finally:
+            self._num_waiting -= sum(is_waiting)
+            for stream in streams:
+                self._calls.pop(stream.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        call = self._calls.pop(request_id, None)
+        if call is None:
+            return
+        call.open_ids.discard(request_id)
+        if not call.open_ids and call.task is not None:
+            call.task.cancel()
+
+
+ENGINE_DEPLOYMENT = "FastdraftEngine"
+
+
+def _ingress_app(config: ServerConfig, app_name: str) -> Any:
+    """The ingress replica's FastAPI app: the single-process server's routes over the replicas."""
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
+    return build_fastapi_app(None, config, connect=functools.partial(RayEngineClient, handle, config.max_queue))
+
+
+def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig,
+                app_name: str = "default"):
+    """The Ray Serve application: ``ray_config``'s engine replicas, each running
+    ``load_engine()``, behind one ingress serving the OpenAI routes as ``server`` says. Run it
+    with ``serve.run(application(...), name=app_name)``."""
+    scaling: dict[str, Any] = ({"autoscaling_config": ray_config.autoscaling} if ray_config.autoscaling
+                               else {"num_replicas": ray_config.num_replicas})
+    engine = serve.deployment(EngineDeployment, name=ENGINE_DEPLOYMENT).options(
+        ray_actor_options={"num_cpus": ray_config.num_cpus_per_replica},
+        max_ongoing_requests=ray_config.max_ongoing_requests,
+        graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
+        health_check_period_s=10, **scaling)
+    ingress = serve.deployment(serve.ingress(functools.partial(_ingress_app, server, app_name))(_Ingress),
+                               name="FastdraftIngress").options(
+        graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s, max_ongoing_requests=1024)
+    return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue))
+
+
+class _Ingress:
+    """The ingress deployment's class: the routes come from :func:`_ingress_app`; the engine
+    handle bound here puts the engine deployment in the application."""
+
+    def __init__(self, engine: DeploymentHandle) -> None:
+        self.engine = engine
+
+
+def serving_engine(model: str, dtype: str, engine_config: EngineConfig) -> LLMEngine:
+    """A replica's engine: ``model`` loaded in ``dtype``, sized by ``engine_config``."""
+    return LLMEngine(load_model(model, dtype=dtype), engine_config)
+
+
+def build_app(args: dict[str, Any]):
+    """The application for ``serve run fastdraft.server.ray_app:build_app model=NAME`` and
+    ``serve deploy``: ``args`` are the config's ``args`` (``model``, ``dtype``,
+    ``served_model_name``, ``num_replicas``, ``num_cpus_per_replica``, ``max_num_seqs``,
+    ``max_model_len``, ``max_queue``, ``autoscaling_config``)."""
+    known = {"model", "dtype", "served_model_name", "num_replicas", "num_cpus_per_replica", "max_num_seqs",
+             "max_model_len", "max_queue", "autoscaling_config"}
+    unknown = set(args) - known
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}; known: {sorted(known)}")
+    model = args.get("model", DEFAULT_MODEL)
+    engine_config = EngineConfig(max_num_seqs=int(args.get("max_num_seqs", 64)),
+                                 max_model_len=int(args.get("max_model_len", 4096)))
+    server = ServerConfig(served_model_name=args.get("served_model_name", model),
+                          max_queue=int(args.get("max_queue", 256)))
+    ray_config = RayServeConfig(num_replicas=int(args.get("num_replicas", 1)),
+                                num_cpus_per_replica=int(args.get("num_cpus_per_replica", 1)),
+                                max_ongoing_requests=engine_config.max_num_seqs,
+                                autoscaling=args.get("autoscaling_config"))
+    load_engine = functools.partial(serving_engine, model, args.get("dtype", "bf16"), engine_config)
+    return application(load_engine, server, ray_config)
+
+
+def run_on_ray(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig, host: str,
+               port: int, address: str | None, stop: threading.Event, app_name: str = "fastdraft") -> None:
+    """Start a local Ray cluster (``address`` None) or join one, serve the application on
+    ``host:port`` until ``stop`` is set, then delete it (open streams drain) and shut down."""
+    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(load_engine, server, ray_config, app_name), name=app_name, route_prefix="/")
+        logger.info("serving %s on Ray at http://%s:%d", server.served_model_name, host, port)
+        stop.wait()
+        serve.delete(app_name)
+        serve.shutdown()
+    finally:
+        ray.shutdown()

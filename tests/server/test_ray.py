@@ -1,0 +1,106 @@
+"""The server on Ray Serve: engine replicas behind one ingress, on a local cluster shared by
+the whole test run, driven by the official ``openai`` client on 127.0.0.1."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import httpx
+import openai
+import pytest
+
+from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+from fastdraft.engine.loader import load_model
+from fastdraft.sampling_params import SamplingParams
+from tests.helpers import free_port, wait_healthy
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+from ray import serve  # noqa: E402
+
+from fastdraft.server.app import ServerConfig  # noqa: E402
+from fastdraft.server.ray_app import RayServeConfig, application, serving_engine  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+APP = "fastdraft-test"
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local cluster for the whole run (a start costs seconds): 4 CPUs, a small object
+    store, Serve's HTTP proxy on a free loopback port."""
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _engine_config() -> EngineConfig:
+    return EngineConfig(num_blocks=256, block_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def served(ray_serve, tiny_models):
+    load_engine = functools.partial(serving_engine, str(tiny_models.dir("qwen2")), "fp32", _engine_config())
+    serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
+                          RayServeConfig(num_replicas=2, max_ongoing_requests=8, graceful_shutdown_timeout_s=30),
+                          app_name=APP), name=APP, route_prefix="/")
+    wait_healthy(ray_serve, 120)
+    yield ray_serve
+    serve.delete(APP)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _offline(tiny_models, prompts: list[str], params: SamplingParams) -> list[str]:
+    engine = LLMEngine(load_model(tiny_models.dir("qwen2"), dtype="fp32"), _engine_config())
+    return [o.outputs[0].text for o in run_to_completion(engine, prompts, [params] * len(prompts))]
+
+
+def test_completions_and_chat_match_the_engine(served, tiny_models):
+    client = _client(served)
+    prompts = ["def add(a, b):", "import os\n"]
+    expected = _offline(tiny_models, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for prompt, text in zip(prompts, expected):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == text and out.usage.completion_tokens == 12
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          n=2, temperature=1.0, seed=3)
+    assert len(chat.choices) == 2 and all(c.message.role == "assistant" for c in chat.choices)
+    stopped = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0,
+                                        stop=[expected[0][2:4]], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and expected[0].startswith(stopped.choices[0].text)
+
+
+def test_a_bad_request_gets_the_single_process_servers_answer(served):
+    response = httpx.post(f"{served}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert "maximum model length 128" in error["message"]
+    assert httpx.post(f"{served}/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_a_client_that_goes_away_frees_its_request(served):
+    with httpx.stream("POST", f"{served}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "def f():", "max_tokens": 100, "stream": True,
+                            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then the client leaves
+    # The replicas keep serving: a later request completes in full.
+    deadline = time.monotonic() + 60
+    out = _client(served).completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8 and time.monotonic() < deadline
