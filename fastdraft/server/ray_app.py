@@ -252,9 +252,13 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
         max_ongoing_requests=ray_config.max_ongoing_requests,
         graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
         health_check_period_s=10, **scaling)
-    ingress = serve.deployment(serve.ingress(functools.partial(_ingress_app, server, app_name))(_Ingress),
-                               name="FastdraftIngress").options(
-        graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s, max_ongoing_requests=1024)
+    def ingress_app() -> Any:  # a function (not a partial), which Serve calls on each ingress replica
+        return _ingress_app(server, app_name)
+
+    # The ingress waits on I/O: it reserves no CPU, so that replicas can take every core.
+    ingress = serve.deployment(serve.ingress(ingress_app)(_Ingress), name="FastdraftIngress").options(
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
+        max_ongoing_requests=1024)
     return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue))
 
 

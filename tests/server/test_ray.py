@@ -67,20 +67,24 @@ def _offline(tiny_models, prompts: list[str], params: SamplingParams) -> list[st
 def test_completions_and_chat_match_the_engine(served, tiny_models):
     client = _client(served)
     prompts = ["def add(a, b):", "import os\n"]
-    expected = _offline(tiny_models, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    sampled = dict(temperature=1.0, seed=5)  # seeded draws: the same tokens wherever they run
+    expected = _offline(tiny_models, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, **sampled))
+    assert all(expected)
     for prompt, text in zip(prompts, expected):
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == text and out.usage.completion_tokens == 12
-        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled, stream=True,
                                            extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                           n=2, temperature=1.0, seed=3)
     assert len(chat.choices) == 2 and all(c.message.role == "assistant" for c in chat.choices)
-    stopped = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0,
-                                        stop=[expected[0][2:4]], extra_body={"ignore_eos": True})
-    assert stopped.choices[0].finish_reason == "stop" and expected[0].startswith(stopped.choices[0].text)
+    prompt, text = max(zip(prompts, expected), key=lambda pair: len(pair[1]))
+    assert len(text) >= 3
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled, stop=[text[1:3]],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(text[1:3])]
 
 
 def test_a_bad_request_gets_the_single_process_servers_answer(served):
