@@ -41,6 +41,16 @@ class StepStats:
     num_preemptions: int
 
 
+@dataclass
+class EngineInfo:
+    """What the server needs of an engine it does not hold (in a child process, on Ray replicas)
+    to check and tokenize requests."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+
+
 class EngineClient(Protocol):
     """An engine loop the event loop feeds requests and reads deltas from."""
 

@@ -13,7 +13,6 @@ import asyncio
 import multiprocessing
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -21,18 +20,9 @@ import torch
 from fastdraft.engine.llm_engine import LLMEngine
 from fastdraft.engine.output import RequestDelta
 from fastdraft.process import configure_process
-from fastdraft.server.engine_client import (EngineError, QueuedRequest, QueueFullError, RequestStream, StepStats,
-                                            add_all_or_none, run_step, settle)
+from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
+                                            StepStats, add_all_or_none, run_step, settle)
 from fastdraft.tokenizer import Tokenizer
-
-
-@dataclass
-class EngineInfo:
-    """What the server needs of the engine to check and tokenize requests (child -> parent)."""
-
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_model_len: int
 
 
 def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, commands: Connection,

@@ -31,7 +31,8 @@ from fastdraft.models.registry import DEFAULT_MODEL
 from fastdraft.process import configure_process
 from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
-from fastdraft.server.engine_client import EngineError, QueuedRequest, QueueFullError, RequestStream, StepStats
+from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
+                                            StepStats)
 from fastdraft.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,15 +61,6 @@ class RayServeConfig:
             raise ValueError("autoscaling must be a dict of Ray Serve's autoscaling_config fields")
         if self.graceful_shutdown_timeout_s <= 0:
             raise ValueError("graceful_shutdown_timeout_s must be positive")
-
-
-@dataclass
-class EngineInfo:
-    """What the ingress needs of the engine to check and tokenize requests."""
-
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_model_len: int
 
 
 class EngineDeployment:
