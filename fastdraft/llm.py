@@ -157,12 +157,7 @@ class AutoModelForCausalLM:
             raise ValueError(f"speculative must be True or False, got {speculative!r}")
         if load_in_low_bit in ("bf16", "fp32"):
             dtype = load_in_low_bit
-        if isinstance(model, LoadedModel):
-            if load_in_low_bit is not None:
-                raise ValueError("an already loaded model cannot be quantized on load: quantize it first")
-            loaded = model
-        else:
-            loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
+        loaded = load_model(model, dtype=dtype, device=device, load_in_low_bit=load_in_low_bit)
         spec = SpeculativeConfig(draft="self", num_speculative_tokens=num_speculative_tokens,
                                  draft_device=draft_device) if speculative else None
         assistant = assistant_model.loaded if assistant_model is not None else None

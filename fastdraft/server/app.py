@@ -33,7 +33,8 @@ from fastdraft.engine.llm_engine import LLMEngine
 from fastdraft.engine.output import RequestCollector, RequestDelta
 from fastdraft.engine.request import RejectedRequest, check_request
 from fastdraft.server.async_engine import AsyncEngine
-from fastdraft.server.engine_client import EngineClient, EngineError, QueueFullError, RequestStream, StepStats
+from fastdraft.server.engine_client import (EngineClient, EngineError, QueueFullError, RequestStream, StepStats,
+                                            merge_streams)
 from fastdraft.server.engine_process import EngineProcess
 from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
@@ -346,39 +347,20 @@ async def _sse(streams: list[RequestStream], render, metrics: ServerMetrics, req
                body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
     """Server-sent events: one chunk per new token of any choice, then usage when asked, then
     ``[DONE]``. Leaving early (the client went away) aborts every choice's request."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for delta in stream:
-                metrics.record_delta(delta, stream.collector)
-                await queue.put((index, delta))
-        except EngineError as e:
-            await queue.put((index, e))
-        else:
-            await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     is_started = [False] * len(streams)
     base = {"id": request_id, "object": render.object_name, "created": created, "model": body.model}
     try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
+        async for index, item in merge_streams(streams):
             if isinstance(item, EngineError):
                 yield f"data: {json.dumps(error_body(str(item), 'internal_error'))}\n\n"
                 return
+            metrics.record_delta(item, streams[index].collector)
             is_first, is_started[index] = not is_started[index], True
             yield f"data: {json.dumps({**base, 'choices': [render.chunk(index, item, is_first)]})}\n\n"
         if body.include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage([s.collector for s in streams])})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        for task in tasks:
-            task.cancel()
         for stream in streams:
             stream.close()
 

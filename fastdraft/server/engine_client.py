@@ -106,6 +106,34 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta | EngineError]]:
+    """Several requests' deltas as they come, each with its stream's index; a failed request's
+    ``EngineError`` in place of its next delta. Ends when every stream has; leaving early stops
+    reading them (closing them is the caller's)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except EngineError as e:
+            await queue.put((index, e))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def settle(future: asyncio.Future, error: BaseException | None) -> None:
     """Resolve ``future`` (with ``error``, when there is one) unless it is already done."""
     if future.done():

@@ -32,7 +32,7 @@ from fastdraft.process import configure_process
 from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
-                                            StepStats)
+                                            StepStats, merge_streams)
 from fastdraft.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,30 +87,12 @@ class EngineDeployment:
         finished; the caller going away (the stream cancelled) aborts the unfinished ones."""
         self._start()
         streams = await self.engine.add_requests(requests)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for delta in stream:
-                    await queue.put((index, delta))
-            except EngineError as e:
-                await queue.put((index, e))
-            await queue.put((index, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
-            remaining = len(streams)
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, EngineError):
+            async for index, item in merge_streams(streams):
+                if isinstance(item, EngineError):
                     raise item
-                else:
-                    yield index, item
+                yield index, item
         finally:
-            for task in tasks:
-                task.cancel()
             for stream in streams:
                 stream.close()
 
