@@ -50,11 +50,13 @@ class _StandInSeq:
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.num_sent = 0
+        self.first_token_at = 0.0  # monotonic time of its first token, set on admission
 
 
 class StandInEngine:
-    """An engine that sleeps instead of computing: a prefill step costs the TTFT, a decode step
-    the TPOT, for up to ``STANDIN_BATCH`` requests at once (the others wait)."""
+    """An engine that sleeps instead of computing: each step takes the TPOT, and a request's
+    first token comes the TTFT after it is admitted, then one a step; up to ``STANDIN_BATCH``
+    requests at once (the others wait)."""
 
     class _Stats:
         def __init__(self) -> None:
@@ -89,13 +91,16 @@ class StandInEngine:
 
     def step(self) -> list[RequestDelta]:
         running, waiting = self.scheduler.running, self.scheduler.waiting
-        admitted = []
-        while waiting and len(running) + len(admitted) < STANDIN_BATCH:
-            admitted.append(waiting.pop(0))
-        time.sleep(STANDIN_TTFT_S if admitted else STANDIN_TPOT_S)
-        running.extend(admitted)
+        while waiting and len(running) < STANDIN_BATCH:
+            seq = waiting.pop(0)
+            seq.first_token_at = time.monotonic() + STANDIN_TTFT_S
+            running.append(seq)
+        time.sleep(STANDIN_TPOT_S)
+        now = time.monotonic()
         deltas = []
         for seq in list(running):
+            if now < seq.first_token_at:
+                continue
             seq.num_sent += 1
             finish = "length" if seq.num_sent >= seq.num_tokens else None
             deltas.append(RequestDelta(seq.request_id, [1], "x", finish_reason=finish,
@@ -160,8 +165,10 @@ def main() -> None:
                 lengths = None
                 if uneven:  # uneven outputs: the request's own max_tokens, between half and all
                     lengths = [rng.randint(args.standin_tokens // 2, args.standin_tokens) for _ in range(num)]
-                rate, _ = _requests_per_s(url, prompts, 8 * replicas, num, args.standin_tokens) if lengths is None \
-                    else _uneven(url, prompts, 8 * replicas, lengths)
+                rate, detail = _requests_per_s(url, prompts, 8 * replicas, num, args.standin_tokens) \
+                    if lengths is None else _uneven(url, prompts, 8 * replicas, lengths)
+                if uneven:
+                    print(f"  {detail['statuses']} in {detail['wall_s']:.1f} s", flush=True)
                 rates[replicas] = rate
                 serve.delete("standin")
                 print(f"stand-in, {replicas} replica(s){' uneven' if uneven else ''}: {rate:.2f} req/s", flush=True)
@@ -178,6 +185,8 @@ def main() -> None:
 
 
 def _uneven(url: str, prompts, concurrency: int, lengths: list[int]) -> tuple[float, dict]:
+    statuses: dict[int, int] = {}
+
     async def run() -> tuple[int, float]:
         queue = list(range(len(lengths)))
         done = 0
@@ -188,14 +197,16 @@ def _uneven(url: str, prompts, concurrency: int, lengths: list[int]) -> tuple[fl
                     i = queue.pop()
                     body = {"model": "m", "prompt": prompts[i % len(prompts)], "max_tokens": lengths[i],
                             "ignore_eos": True}
-                    done += (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
+                    status = (await client.post(f"{url}/v1/completions", json=body)).status_code
+                    statuses[status] = statuses.get(status, 0) + 1
+                    done += status == 200
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return done, time.perf_counter() - start
 
     done, wall = asyncio.run(run())
-    return done / wall, {}
+    return done / wall, {"statuses": statuses, "wall_s": wall}
 
 
 def _real(args: argparse.Namespace, url: str, prompts) -> dict:
