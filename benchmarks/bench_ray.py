@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import functools
 import random
-import statistics
 import subprocess
 import sys
 import time
