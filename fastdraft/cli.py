@@ -276,7 +276,10 @@ def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
 
     autoscaling = None
     if args.autoscaling_config:
-        autoscaling = json.loads(Path(args.autoscaling_config).read_text(encoding="utf-8"))
+        try:
+            autoscaling = json.loads(Path(args.autoscaling_config).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--autoscaling-config {args.autoscaling_config}: {e}") from None
     ray_config = RayServeConfig(num_replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica,
                                 max_ongoing_requests=args.max_num_seqs, autoscaling=autoscaling,
                                 graceful_shutdown_timeout_s=args.graceful_timeout)
