@@ -234,3 +234,11 @@ def test_verbose_logs_the_chosen_variant(caplog, monkeypatch, llama_dir):
         monkeypatch.delenv("FASTDRAFT_ISA")
         clear_caches()
     assert any(r.getMessage().startswith("CPU kernels: scalar (from FASTDRAFT_ISA;") for r in caplog.records)
+
+
+def test_serve_on_ray_refuses_a_bad_autoscaling_config(capsys, tmp_path):
+    bad = tmp_path / "autoscaling.json"
+    bad.write_text('{"min_replicas": 1')
+    _fails_cleanly(capsys, ["serve", "--backend", "ray", "--autoscaling-config", str(bad)], str(bad))
+    _fails_cleanly(capsys, ["serve", "--backend", "ray", "--autoscaling-config", str(tmp_path / "missing.json")],
+                   "--autoscaling-config")
