@@ -4,7 +4,9 @@ the whole test run, driven by the official ``openai`` client on 127.0.0.1."""
 from __future__ import annotations
 
 import functools
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -16,7 +18,7 @@ from fastdraft.sampling_params import SamplingParams
 from tests.helpers import free_port, wait_healthy
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-from ray import serve  # noqa: E402
+from ray import cloudpickle, serve  # noqa: E402
 
 from fastdraft.server.app import ServerConfig  # noqa: E402
 from fastdraft.server.ray_app import RayServeConfig, application, serving_engine  # noqa: E402
@@ -108,3 +110,52 @@ def test_a_client_that_goes_away_frees_its_request(served):
     out = _client(served).completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 8 and time.monotonic() < deadline
+
+
+def _slow_engine(model_dir: str) -> LLMEngine:
+    """The tiny model's engine with 20 ms steps, so that streams outlast a scale-down."""
+    engine = serving_engine(model_dir, "fp32", _engine_config())
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    return engine
+
+
+def _stream_tokens(url: str, max_tokens: int) -> tuple[int, str | None]:
+    """Stream one completion; (chunks with text or tokens, the finish reason)."""
+    num_chunks, finish = 0, None
+    for chunk in _client(url).completions.create(model=MODEL, prompt="def f():", max_tokens=max_tokens,
+                                                 temperature=1.0, seed=1, stream=True,
+                                                 extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            num_chunks += 1
+            finish = chunk.choices[0].finish_reason or finish
+    return num_chunks, finish
+
+
+def test_open_streams_finish_across_a_scale_down_and_a_delete(ray_serve, tiny_models):
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import the tests
+    load_engine = functools.partial(_slow_engine, str(tiny_models.dir("qwen2")))
+
+    def deploy(replicas: int) -> None:
+        serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
+                              RayServeConfig(num_replicas=replicas, max_ongoing_requests=8,
+                                             graceful_shutdown_timeout_s=60), app_name="drain"),
+                  name="drain", route_prefix="/drain")
+
+    deploy(2)
+    url = f"{ray_serve}/drain"
+    wait_healthy(url, 120)
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(_stream_tokens, url, 60) for _ in range(6)]
+        time.sleep(0.5)  # every stream has started
+        deploy(1)  # one replica goes, with streams on it
+        assert [s.result(timeout=120) for s in streams] == [(60, "length")] * 6
+        streams = [pool.submit(_stream_tokens, url, 60) for _ in range(4)]
+        time.sleep(0.5)
+        serve.delete("drain")  # the whole application goes, its streams open
+        assert [s.result(timeout=120) for s in streams] == [(60, "length")] * 4
