@@ -29,7 +29,7 @@ import ray
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import closed_loop, summarize  # noqa: E402
+from bench_serving import closed_loop, summarize, wait_ready  # noqa: E402
 
 from fastdraft.engine.llm_engine import EngineConfig  # noqa: E402
 from fastdraft.engine.output import RequestDelta  # noqa: E402
@@ -123,18 +123,6 @@ def _requests_per_s(url: str, prompts, concurrency: int, num: int, max_tokens: i
     return sum(r.is_ok for r in run) / wall, summary
 
 
-def _wait(url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become ready")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", choices=list(KNOWN_MODELS))
@@ -159,7 +147,7 @@ def main() -> None:
             rates = {}
             for replicas in (1, 4):
                 _deploy(StandInEngine, replicas, "standin")
-                _wait(url)
+                wait_ready(url)
                 num = args.standin_requests * replicas
                 lengths = None
                 if uneven:  # uneven outputs: the request's own max_tokens, between half and all
@@ -214,7 +202,7 @@ def _real(args: argparse.Namespace, url: str, prompts) -> dict:
     load_engine = functools.partial(serving_engine, args.model, "bf16", engine_config)
     out: dict = {}
     _deploy(load_engine, 1, "real")
-    _wait(url)
+    wait_ready(url)
     ray_c1 = summarize(*asyncio.run(closed_loop(url, "m", prompts, 1, args.real_requests // 2, args.max_tokens)))
     ray_c8 = summarize(*asyncio.run(closed_loop(url, "m", prompts, 8, args.real_requests, args.max_tokens)))
     serve.delete("real")
@@ -224,7 +212,7 @@ def _real(args: argparse.Namespace, url: str, prompts) -> dict:
                                "--max-model-len", "1024"], stdout=subprocess.DEVNULL)
     try:
         direct_url = f"http://127.0.0.1:{direct_port}"
-        _wait(direct_url)
+        wait_ready(direct_url, direct)
         direct_c1 = summarize(*asyncio.run(closed_loop(direct_url, "m", prompts, 1, args.real_requests // 2,
                                                        args.max_tokens)))
         direct_c8 = summarize(*asyncio.run(closed_loop(direct_url, "m", prompts, 8, args.real_requests,
@@ -241,7 +229,7 @@ def _real(args: argparse.Namespace, url: str, prompts) -> dict:
     tok_s = {}
     for replicas in (1, 2):
         _deploy(load_engine, replicas, "real")
-        _wait(url)
+        wait_ready(url)
         tok_s[replicas] = summarize(*asyncio.run(closed_loop(url, "m", prompts, 8 * replicas,
                                                              args.real_requests * replicas,
                                                              args.max_tokens)))["output_tok_s"]

@@ -144,10 +144,11 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
             "errors": sorted({r.error for r in results if r.error})[:3]}
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_ready(url: str, process: subprocess.Popen | None = None, timeout_s: float = 600) -> None:
+    """Wait until ``url/health`` answers 200; ``process``: the server's, which must not exit meanwhile."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if process is not None and process.poll() is not None:
             raise SystemExit(f"the server at {url} exited with status {process.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:

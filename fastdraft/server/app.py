@@ -98,7 +98,7 @@ def build_app(load_engine: Callable[[], LLMEngine] | None, config: ServerConfig,
                     async_engine = AsyncEngine(load_engine(), config.max_queue, metrics.record_step)
                 async_engine.start(loop)
                 if config.chat_template is not None:
-                    async_engine.tokenizer.set_chat_template(config.chat_template)
+                    async_engine.info.tokenizer.set_chat_template(config.chat_template)
                 state.engine = async_engine
                 logger.info("ready: serving %s", config.served_model_name)
             except BaseException as e:  # /health reports it; requests get 503
@@ -219,7 +219,7 @@ def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
           is_chat: bool) -> list[tuple[list[int], object]]:
     """(prompt token ids, SamplingParams) per choice: ``n`` per prompt, each checked as the
     engine checks it. Text is tokenized here, once, as the engine would tokenize it."""
-    tokenizer = engine.tokenizer
+    tokenizer, vocab_size, max_model_len = engine.info.tokenizer, engine.info.vocab_size, engine.info.max_model_len
     if is_chat:
         try:
             prompts = [tokenizer.encode_chat(body.conversation())]
@@ -237,10 +237,10 @@ def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
     for prompt in prompts:
         prompt = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
         # Chat defaults to the rest of the context, as vLLM does; completions to 16, as OpenAI.
-        max_tokens = max(engine.max_model_len - len(prompt), 1) if requested is None else requested
+        max_tokens = max(max_model_len - len(prompt), 1) if requested is None else requested
         params = body.sampling_params(max_tokens, logprobs, 0)
         try:
-            check_request(prompt, params, engine.vocab_size, engine.max_model_len)
+            check_request(prompt, params, vocab_size, max_model_len)
         except RejectedRequest as e:
             raise RequestError(str(e), param=_param_name(e.param, body, is_chat), code=e.code) from None
         jobs.extend((prompt, body.sampling_params(max_tokens, logprobs, index)) for index in range(body.n))
@@ -272,7 +272,7 @@ def _usage(finals: list[RequestCollector]) -> dict:
 
 class _CompletionRender:
     def __init__(self, engine: EngineClient, body: CompletionRequest) -> None:
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.info.tokenizer
         self.body = body
         self.prompts = [prompt for prompt in body.prompts() for _ in range(body.n)]  # each choice's, as given
         self.offsets = [0] * len(self.prompts)
@@ -316,7 +316,7 @@ class _CompletionRender:
 
 class _ChatRender:
     def __init__(self, engine: EngineClient, body: ChatCompletionRequest) -> None:
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.info.tokenizer
         self.body = body
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:

@@ -18,7 +18,7 @@ import torch
 
 from fastdraft.engine.llm_engine import LLMEngine
 from fastdraft.engine.output import RequestDelta
-from fastdraft.server.engine_client import (EngineError, QueuedRequest, QueueFullError, RequestStream, StepStats,
+from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream, StepStats,
                                             add_all_or_none, run_step, settle)
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class AsyncEngine:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
+        self.info = EngineInfo.of(engine)
         self.max_queue = max_queue
         self.on_step = on_step
         self._commands: deque[Callable[[], None]] = deque()
@@ -58,18 +59,6 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
 
     @property
     def num_waiting(self) -> int:

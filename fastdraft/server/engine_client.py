@@ -50,13 +50,15 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
 
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+
 
 class EngineClient(Protocol):
     """An engine loop the event loop feeds requests and reads deltas from."""
 
-    tokenizer: Tokenizer
-    vocab_size: int
-    max_model_len: int
+    info: EngineInfo | None  # the engine's tokenizer and limits, once started
     num_waiting: int  # requests queued and not yet past their first token
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -22,7 +22,6 @@ from fastdraft.engine.output import RequestDelta
 from fastdraft.process import configure_process
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
                                             StepStats, add_all_or_none, run_step, settle)
-from fastdraft.tokenizer import Tokenizer
 
 
 def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, commands: Connection,
@@ -36,7 +35,7 @@ def _engine_core(load_engine: Callable[[], LLMEngine], num_threads: int, command
     except BaseException as e:  # the parent reports it; /health says the model failed to load
         events.send(("load_failed", f"{type(e).__name__}: {e}"))
         return
-    events.send(("ready", EngineInfo(engine.tokenizer, engine.vocab_size, engine.max_model_len)))
+    events.send(("ready", EngineInfo.of(engine)))
     with torch.inference_mode():
         while True:
             # Wait for work only when there is none to do.
@@ -116,18 +115,6 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.terminate()
         self._fail_all("the server is shutting down")
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.info.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
 
     @property
     def num_waiting(self) -> int:

@@ -33,7 +33,6 @@ from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
                                             StepStats, merge_streams)
-from fastdraft.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +64,11 @@ class RayServeConfig:
 
 class EngineDeployment:
     """One replica: a fastdraft engine, its step loop on a thread (made a Ray Serve deployment
-    by :func:`deployments`)."""
+    by :func:`application`)."""
 
     def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int) -> None:
         configure_process(num_threads=num_threads)
-        engine = load_engine()
-        self.info_ = EngineInfo(engine.tokenizer, engine.vocab_size, engine.max_model_len)
-        self.engine = AsyncEngine(engine, max_queue)
+        self.engine = AsyncEngine(load_engine(), max_queue)
         self._started = False
 
     def _start(self) -> None:
@@ -80,7 +77,7 @@ class EngineDeployment:
             self._started = True
 
     async def info(self) -> EngineInfo:
-        return self.info_
+        return self.engine.info
 
     async def generate(self, requests: list[QueuedRequest]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Queue ``requests`` together and yield (index, delta) as they come, until each has
@@ -118,6 +115,7 @@ class RayEngineClient:
 
     def __init__(self, handle: DeploymentHandle, max_queue: int,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
+        # on_step: the replicas' step counters are not gathered to the ingress (yet).
         self.handle = handle
         self.max_queue = max_queue
         self.info: EngineInfo | None = None
@@ -135,18 +133,6 @@ class RayEngineClient:
         for call in list(self._calls.values()):
             if call.task is not None:
                 call.task.cancel()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.info.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
 
     @property
     def num_waiting(self) -> int:
