@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--real-requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, real-model runs")
     parser.add_argument("--no-real", action="store_true", help="stand-in runs only")
+    parser.add_argument("--no-standin", action="store_true", help="real-model runs only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench_results/ray.json"))
     args = parser.parse_args()
@@ -143,7 +144,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, 900) for _ in range(16)] for _ in range(64)]
     try:
-        for uneven in (False, True):
+        for uneven in () if args.no_standin else (False, True):
             rates = {}
             for replicas in (1, 4):
                 _deploy(StandInEngine, replicas, "standin")

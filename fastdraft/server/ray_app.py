@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 # Seconds a replica being removed waits for its open streams to finish.
 GRACEFUL_SHUTDOWN_S = 120.0
+
+# Each streamed token crosses the replica and ingress event loops; Serve's default runs user code
+# and the handle's router on loops of their own threads, so every token would also cross threads.
+# One loop per replica halves the ingress's CPU per token (the engine steps on its own thread).
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 @dataclass
@@ -208,7 +214,7 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
     scaling: dict[str, Any] = ({"autoscaling_config": ray_config.autoscaling} if ray_config.autoscaling
                                else {"num_replicas": ray_config.num_replicas})
     engine = serve.deployment(EngineDeployment, name=ENGINE_DEPLOYMENT).options(
-        ray_actor_options={"num_cpus": ray_config.num_cpus_per_replica},
+        ray_actor_options={"num_cpus": ray_config.num_cpus_per_replica, "runtime_env": {"env_vars": REPLICA_ENV}},
         max_ongoing_requests=ray_config.max_ongoing_requests,
         graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
         health_check_period_s=10, **scaling)
@@ -217,7 +223,7 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
 
     # The ingress waits on I/O: it reserves no CPU, so that replicas can take every core.
     ingress = serve.deployment(serve.ingress(ingress_app)(_Ingress), name="FastdraftIngress").options(
-        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}}, graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
         max_ongoing_requests=1024)
     return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue))
 
@@ -260,15 +266,23 @@ def build_app(args: dict[str, Any]):
 
 def run_on_ray(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig, host: str,
                port: int, address: str | None, stop: threading.Event, app_name: str = "fastdraft") -> None:
-    """Start a local Ray cluster (``address`` None) or join one, serve the application on
-    ``host:port`` until ``stop`` is set, then delete it (open streams drain) and shut down."""
-    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    """Start a Ray cluster of its own (``address`` None) or join one, serve the application on
+    ``host:port`` until ``stop`` is set, then delete it (open streams drain). Serve itself is
+    shut down only on a cluster this call started: a joined cluster's other applications stay."""
+    is_own_cluster = address is None
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # "local" starts a new cluster even where another one runs on this machine.
+    ray.init(address="local" if is_own_cluster else address, include_dashboard=False, configure_logging=False)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():  # ray.init makes SIGTERM exit at once, cutting open streams
+            signal.signal(sig, handler)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(application(load_engine, server, ray_config, app_name), name=app_name, route_prefix="/")
         logger.info("serving %s on Ray at http://%s:%d", server.served_model_name, host, port)
         stop.wait()
         serve.delete(app_name)
-        serve.shutdown()
+        if is_own_cluster:
+            serve.shutdown()
     finally:
         ray.shutdown()

@@ -4,6 +4,8 @@ the whole test run, driven by the official ``openai`` client on 127.0.0.1."""
 from __future__ import annotations
 
 import functools
+import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -159,3 +161,39 @@ def test_open_streams_finish_across_a_scale_down_and_a_delete(ray_serve, tiny_mo
         time.sleep(0.5)
         serve.delete("drain")  # the whole application goes, its streams open
         assert [s.result(timeout=120) for s in streams] == [(60, "length")] * 4
+
+
+@pytest.mark.real_model
+def test_the_cli_serves_the_real_model_from_two_replicas_and_drains_on_sigterm(real_model_dir, real_model_fp32):
+    # `fastdraft serve --backend ray` starts a cluster of its own (not the test run's), and
+    # SIGTERM lets every open stream end whole before it exits 0.
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "fastdraft.cli", "serve", "--backend", "ray", "--replicas", "2",
+                                "--model", str(real_model_dir), "--dtype", "fp32", "--served-model-name", MODEL,
+                                "--max-model-len", "512", "--max-num-seqs", "4", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 300)
+        client = _client(url)
+        prompt = "def fibonacci(n):\n"
+        expected = run_to_completion(LLMEngine(real_model_fp32, EngineConfig(max_model_len=512)), [prompt],
+                                     [SamplingParams(max_new_tokens=16, ignore_eos=True)])[0].outputs[0].text
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        chat = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.7, seed=1,
+            n=2, stream=True, stream_options={"include_usage": True}))
+        assert {c.choices[0].index for c in chat if c.choices} == {0, 1} and chat[-1].usage.completion_tokens >= 2
+        assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 600}
+                          ).status_code == 400
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(_stream_tokens, url, 32) for _ in range(3)]
+            time.sleep(1.0)  # each stream is open
+            process.send_signal(signal.SIGTERM)
+            assert [s.result(timeout=120) for s in streams] == [(32, "length")] * 3
+        assert process.wait(120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
