@@ -3,9 +3,10 @@
 Everything runs on one local Ray cluster started here, on 127.0.0.1:
 
 * **scaling, stand-in engine**: a replica whose engine sleeps a fixed TTFT (200 ms) and TPOT
-  (25 ms), batches 8 requests and emits ``--standin-tokens`` tokens (or a random length between
-  half and all of them with ``--uneven``), so that Ray's own behaviour is measured without the
-  2 cores bounding it: requests/s of 4 replicas against 1, with 8 clients per replica;
+  (25 ms), batches 8 requests and streams ``--standin-tokens`` tokens (then, uneven, a random
+  length between half and all of them), so that Ray's own behaviour is measured without the
+  2 cores bounding the engines: requests/s of 4 replicas against 1, with 8 clients per replica,
+  for each of ``--stream-intervals``;
 * **overhead, real model**: one replica of the model behind Ray against ``fastdraft serve``
   directly (same engine, same threads): TTFT p50 at concurrency 1, output tokens/s at 8;
 * **scaling, real model**: 2 replicas of one thread each against 1, both behind Ray.
@@ -29,7 +30,7 @@ import ray
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import closed_loop, summarize, wait_ready  # noqa: E402
+from bench_serving import _stream_once, closed_loop, summarize, wait_ready  # noqa: E402
 
 from fastdraft.engine.llm_engine import EngineConfig  # noqa: E402
 from fastdraft.engine.output import RequestDelta  # noqa: E402
@@ -110,10 +111,11 @@ class StandInEngine:
         return deltas
 
 
-def _deploy(load_engine, replicas: int, name: str, threads: int = 1) -> str:
+def _deploy(load_engine, replicas: int, name: str, threads: int = 1, stream_interval: int = 1) -> str:
     serve.run(application(load_engine, ServerConfig(served_model_name="m", max_queue=4096),
                           RayServeConfig(num_replicas=replicas, num_cpus_per_replica=threads,
-                                         max_ongoing_requests=64), app_name=name), name=name, route_prefix="/")
+                                         max_ongoing_requests=64, stream_interval=stream_interval),
+                          app_name=name), name=name, route_prefix="/")
     return name
 
 
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, real-model runs")
     parser.add_argument("--no-real", action="store_true", help="stand-in runs only")
     parser.add_argument("--no-standin", action="store_true", help="real-model runs only")
+    parser.add_argument("--stream-intervals", default="1,4",
+                        help="the replicas' stream intervals the streamed stand-in runs compare (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench_results/ray.json"))
     args = parser.parse_args()
@@ -144,10 +148,12 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, 900) for _ in range(16)] for _ in range(64)]
     try:
-        for uneven in () if args.no_standin else (False, True):
+        intervals = [int(v) for v in args.stream_intervals.split(",")]
+        runs = [(False, interval) for interval in intervals] + [(True, 1)]
+        for uneven, interval in [] if args.no_standin else runs:
             rates = {}
             for replicas in (1, 4):
-                _deploy(StandInEngine, replicas, "standin")
+                _deploy(StandInEngine, replicas, "standin", stream_interval=interval)
                 wait_ready(url)
                 num = args.standin_requests * replicas
                 lengths = None
@@ -156,11 +162,12 @@ def main() -> None:
                 rate, detail = _requests_per_s(url, prompts, 8 * replicas, num, args.standin_tokens) \
                     if lengths is None else _uneven(url, prompts, 8 * replicas, lengths)
                 if uneven:
-                    print(f"  {detail['statuses']} in {detail['wall_s']:.1f} s", flush=True)
+                    print(f"  {detail['failed']} failed, {detail['wall_s']:.1f} s", flush=True)
                 rates[replicas] = rate
                 serve.delete("standin")
-                print(f"stand-in, {replicas} replica(s){' uneven' if uneven else ''}: {rate:.2f} req/s", flush=True)
-            key = "standin_uneven" if uneven else "standin"
+                print(f"stand-in, {replicas} replica(s){' uneven' if uneven else f', stream interval {interval}'}: "
+                      f"{rate:.2f} req/s", flush=True)
+            key = "standin_uneven" if uneven else f"standin_interval_{interval}"
             results[key] = {"requests_per_s": rates, "ratio_4_to_1": rates[4] / rates[1]}
             print(f"{key}: 4 replicas / 1 = {rates[4] / rates[1]:.2f}x", flush=True)
         if not args.no_real:
@@ -173,28 +180,26 @@ def main() -> None:
 
 
 def _uneven(url: str, prompts, concurrency: int, lengths: list[int]) -> tuple[float, dict]:
-    statuses: dict[int, int] = {}
+    """Streamed requests whose output lengths are ``lengths``: requests/s and how many failed."""
 
-    async def run() -> tuple[int, float]:
+    async def run() -> tuple[list, float]:
         queue = list(range(len(lengths)))
-        done = 0
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4), timeout=600) as client:
+        results = []
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
             async def worker() -> None:
-                nonlocal done
                 while queue:
                     i = queue.pop()
-                    body = {"model": "m", "prompt": prompts[i % len(prompts)], "max_tokens": lengths[i],
-                            "ignore_eos": True}
-                    status = (await client.post(f"{url}/v1/completions", json=body)).status_code
-                    statuses[status] = statuses.get(status, 0) + 1
-                    done += status == 200
+                    results.append(await _stream_once(client, url, {
+                        "model": "m", "prompt": prompts[i % len(prompts)], "max_tokens": lengths[i],
+                        "temperature": 0, "stream": True, "ignore_eos": True,
+                        "stream_options": {"include_usage": True}}))
 
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return done, time.perf_counter() - start
+            return results, time.perf_counter() - start
 
-    done, wall = asyncio.run(run())
-    return done / wall, {"statuses": statuses, "wall_s": wall}
+    results, wall = asyncio.run(run())
+    return sum(r.is_ok for r in results) / wall, {"failed": sum(not r.is_ok for r in results), "wall_s": wall}
 
 
 def _real(args: argparse.Namespace, url: str, prompts) -> dict:

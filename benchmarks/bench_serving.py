@@ -53,7 +53,8 @@ from fastdraft.tokenizer import Tokenizer
 @dataclass
 class RequestResult:
     ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)  # gaps between a request's tokens after the first
+    itl_s: list[float] = field(default_factory=list)  # gaps between chunks with text (one or more tokens)
+    tpot_s: float | None = None  # from the first token to the last, per token after the first
     output_tokens: int = 0
     is_ok: bool = False
     error: str = ""
@@ -68,7 +69,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     for attempt in range(2):
         result = await _stream_once(client, url, body)
         # A pooled connection the server had already closed fails before any byte: send it again once.
@@ -78,7 +79,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 
 
 async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    """One streamed request. A chunk may carry several tokens (a server that fell behind sends
+    what it has): the token count is the usage's, where the server reports it."""
     result = RequestResult()
+    num_chunks, usage_tokens = 0, None
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
@@ -89,15 +93,20 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> Reque
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 now = time.perf_counter()
-                if result.output_tokens == 0:
+                if num_chunks == 0:
                     result.ttft_s = now - start
                 else:
                     result.itl_s.append(now - last)
                 last = now
-                result.output_tokens += 1
+                num_chunks += 1
+        result.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+        if result.output_tokens > 1:
+            result.tpot_s = (last - start - result.ttft_s) / (result.output_tokens - 1)
         result.is_ok = True
     except httpx.HTTPError as e:
         result.error = repr(e)
@@ -135,7 +144,7 @@ async def poisson(url: str, model: str, prompts: list[str], rate: float, num_req
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
     ok = [r for r in results if r.is_ok and r.output_tokens]
-    tpots = [statistics.fmean(r.itl_s) for r in ok if r.itl_s]
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     itls = [gap for r in ok for gap in r.itl_s]
     return {"requests": len(results), "failed": len(results) - len(ok),
             "output_tok_s": sum(r.output_tokens for r in ok) / wall_s,

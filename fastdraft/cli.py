@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--autoscaling-config", default=None, metavar="FILE",
                      help="Ray: a JSON file of Ray Serve's autoscaling_config (min_replicas, max_replicas, "
                           "target_ongoing_requests, ...), replacing --replicas")
+    srv.add_argument("--stream-interval", type=_positive_int, default=1,
+                     help="Ray: engine steps a replica gathers before sending a request's tokens on; the first "
+                          "and last go at once (default 1)")
 
     quant = sub.add_parser("quantize", help="quantize a model (one config, or --auto search)")
     quant.add_argument("--model", default=DEFAULT_MODEL)
@@ -282,7 +285,8 @@ def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
             raise ValueError(f"--autoscaling-config {args.autoscaling_config}: {e}") from None
     ray_config = RayServeConfig(num_replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica,
                                 max_ongoing_requests=args.max_num_seqs, autoscaling=autoscaling,
-                                graceful_shutdown_timeout_s=args.graceful_timeout)
+                                graceful_shutdown_timeout_s=args.graceful_timeout,
+                                stream_interval=args.stream_interval)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

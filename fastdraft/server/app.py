@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -133,13 +134,8 @@ def build_app(load_engine: Callable[[], LLMEngine] | None, config: ServerConfig,
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error(exc.status_code, str(exc.detail), kind)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
-                return error(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    if config.api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
 
     def engine_or_error() -> EngineClient | JSONResponse:
         if state.engine is None:
@@ -306,10 +302,10 @@ class _CompletionRender:
         return {"index": index, "text": text, "finish_reason": request.finish_reason,
                 "logprobs": self._logprobs(index, request.token_ids, request.logprobs or [])}
 
-    def chunk(self, index: int, delta: RequestDelta, is_first: bool) -> dict:
-        text = (self._echo(index) if self.body.echo and is_first else "") + delta.new_text
-        return {"index": index, "text": text, "finish_reason": delta.finish_reason,
-                "logprobs": self._logprobs(index, delta.new_token_ids, delta.new_logprobs or [])}
+    def chunk(self, index: int, deltas: list[RequestDelta], is_first: bool) -> dict:
+        text = (self._echo(index) if self.body.echo and is_first else "") + "".join(d.new_text for d in deltas)
+        return {"index": index, "text": text, "finish_reason": deltas[-1].finish_reason,
+                "logprobs": self._logprobs(index, *_tokens_and_logprobs(deltas))}
 
     object_name = "text_completion"
 
@@ -335,34 +331,65 @@ class _ChatRender:
                 "finish_reason": request.finish_reason,
                 "logprobs": self._logprobs(request.token_ids, request.logprobs or [])}
 
-    def chunk(self, index: int, delta: RequestDelta, is_first: bool) -> dict:
-        message = {"role": "assistant", "content": delta.new_text} if is_first else {"content": delta.new_text}
-        return {"index": index, "delta": message, "finish_reason": delta.finish_reason,
-                "logprobs": self._logprobs(delta.new_token_ids, delta.new_logprobs or [])}
+    def chunk(self, index: int, deltas: list[RequestDelta], is_first: bool) -> dict:
+        text = "".join(d.new_text for d in deltas)
+        message = {"role": "assistant", "content": text} if is_first else {"content": text}
+        return {"index": index, "delta": message, "finish_reason": deltas[-1].finish_reason,
+                "logprobs": self._logprobs(*_tokens_and_logprobs(deltas))}
 
     object_name = "chat.completion.chunk"
 
 
+def _tokens_and_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list]:
+    return ([token for d in deltas for token in d.new_token_ids],
+            [entry for d in deltas for entry in d.new_logprobs or []])
+
+
 async def _sse(streams: list[RequestStream], render, metrics: ServerMetrics, request_id: str, created: int,
                body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new token of any choice, then usage when asked, then
+    """Server-sent events: a chunk per choice for the tokens that arrived together (one token a
+    chunk while the client keeps up, several once it falls behind), then usage when asked, then
     ``[DONE]``. Leaving early (the client went away) aborts every choice's request."""
     is_started = [False] * len(streams)
     base = {"id": request_id, "object": render.object_name, "created": created, "model": body.model}
     try:
-        async for index, item in merge_streams(streams):
-            if isinstance(item, EngineError):
-                yield f"data: {json.dumps(error_body(str(item), 'internal_error'))}\n\n"
-                return
-            metrics.record_delta(item, streams[index].collector)
-            is_first, is_started[index] = not is_started[index], True
-            yield f"data: {json.dumps({**base, 'choices': [render.chunk(index, item, is_first)]})}\n\n"
+        async for batch in merge_streams(streams):
+            by_choice: dict[int, list[RequestDelta]] = {}
+            for index, item in batch:
+                if isinstance(item, EngineError):
+                    yield f"data: {json.dumps(error_body(str(item), 'internal_error'))}\n\n"
+                    return
+                metrics.record_delta(item, streams[index].collector)
+                by_choice.setdefault(index, []).append(item)
+            for index, deltas in by_choice.items():
+                is_first, is_started[index] = not is_started[index], True
+                yield f"data: {json.dumps({**base, 'choices': [render.chunk(index, deltas, is_first)]})}\n\n"
         if body.include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage([s.collector for s in streams])})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for stream in streams:
             stream.close()
+
+
+class _ApiKeyMiddleware:
+    """Refuses ``/v1`` requests without ``Authorization: Bearer <api_key>``. A plain ASGI
+    middleware: Starlette's ``BaseHTTPMiddleware`` would pass every streamed chunk through a
+    stream of its own."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(header, self.expected):
+                response = JSONResponse(error_body("invalid or missing API key", "authentication_error",
+                                                   code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

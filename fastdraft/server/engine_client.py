@@ -108,10 +108,12 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta | EngineError]]:
-    """Several requests' deltas as they come, each with its stream's index; a failed request's
-    ``EngineError`` in place of its next delta. Ends when every stream has; leaving early stops
-    reading them (closing them is the caller's)."""
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[list[tuple[int, RequestDelta | EngineError]]]:
+    """Several requests' deltas as they come, each with its stream's index, in batches: a batch
+    holds every delta that arrived since the consumer took the previous one (one, while it keeps
+    up). A failed request's ``EngineError`` stands in place of its next delta. Ends when every
+    stream has; leaving early stops reading them (closing them is the caller's)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -126,11 +128,13 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     try:
         remaining = len(streams)
         while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            else:
-                yield index, item
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            remaining -= sum(item is None for _, item in batch)
+            batch = [(index, item) for index, item in batch if item is not None]
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()

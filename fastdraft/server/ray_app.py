@@ -51,17 +51,23 @@ class RayServeConfig:
     """How the replicas run; checked with ``ValueError``.
 
     ``autoscaling`` (Ray Serve's ``autoscaling_config``: ``min_replicas``, ``max_replicas``,
-    ``target_ongoing_requests``, ...) replaces the fixed ``num_replicas`` when given."""
+    ``target_ongoing_requests``, ...) replaces the fixed ``num_replicas`` when given.
+    ``stream_interval``: the engine steps a replica gathers before sending a request's new tokens
+    on (a request's first and last tokens go at once); each send is one Ray object, so a larger
+    interval trades token smoothness for less work per token on the ingress (vLLM's
+    ``--stream-interval``)."""
 
     num_replicas: int = 1
     num_cpus_per_replica: int = 1
     max_ongoing_requests: int = 64
     autoscaling: dict[str, Any] | None = None
     graceful_shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1 or self.num_cpus_per_replica < 1 or self.max_ongoing_requests < 1:
-            raise ValueError("num_replicas, num_cpus_per_replica and max_ongoing_requests must be positive")
+        if min(self.num_replicas, self.num_cpus_per_replica, self.max_ongoing_requests, self.stream_interval) < 1:
+            raise ValueError("num_replicas, num_cpus_per_replica, max_ongoing_requests and stream_interval must be "
+                             "positive")
         if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
             raise ValueError("autoscaling must be a dict of Ray Serve's autoscaling_config fields")
         if self.graceful_shutdown_timeout_s <= 0:
@@ -72,9 +78,11 @@ class EngineDeployment:
     """One replica: a fastdraft engine, its step loop on a thread (made a Ray Serve deployment
     by :func:`application`)."""
 
-    def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int) -> None:
+    def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int,
+                 stream_interval: int = 1) -> None:
         configure_process(num_threads=num_threads)
         self.engine = AsyncEngine(load_engine(), max_queue)
+        self.stream_interval = stream_interval
         self._started = False
 
     def _start(self) -> None:
@@ -85,16 +93,26 @@ class EngineDeployment:
     async def info(self) -> EngineInfo:
         return self.engine.info
 
-    async def generate(self, requests: list[QueuedRequest]) -> AsyncIterator[tuple[int, RequestDelta]]:
-        """Queue ``requests`` together and yield (index, delta) as they come, until each has
-        finished; the caller going away (the stream cancelled) aborts the unfinished ones."""
+    async def generate(self, requests: list[QueuedRequest]) -> AsyncIterator[list[tuple[int, RequestDelta]]]:
+        """Queue ``requests`` together and yield their deltas as [(index, delta)] until each has
+        finished: at once for a first or last delta, else every ``stream_interval`` deltas of a
+        request. The caller going away (the stream cancelled) aborts the unfinished ones."""
         self._start()
         streams = await self.engine.add_requests(requests)
+        held: list[tuple[int, RequestDelta]] = []
+        num_held = [0] * len(streams)
         try:
-            async for index, item in merge_streams(streams):
-                if isinstance(item, EngineError):
-                    raise item
-                yield index, item
+            async for batch in merge_streams(streams):
+                is_due = False
+                for index, item in batch:
+                    if isinstance(item, EngineError):
+                        raise item
+                    num_held[index] += 1
+                    is_due |= item.ttft_s is not None or item.is_finished or num_held[index] >= self.stream_interval
+                held.extend(batch)
+                if is_due:
+                    yield held
+                    held, num_held = [], [0] * len(streams)
         finally:
             for stream in streams:
                 stream.close()
@@ -165,13 +183,14 @@ class RayEngineClient:
         is_waiting = [True] * len(streams)
         self._num_waiting += len(streams)
         try:
-            async for index, delta in response:
+            async for deltas in response:
                 if not accepted.done():
                     accepted.set_result(None)
-                if is_waiting[index]:
-                    is_waiting[index] = False
-                    self._num_waiting -= 1
-                streams[index].queue.put_nowait(delta)
+                for index, delta in deltas:
+                    if is_waiting[index]:
+                        is_waiting[index] = False
+                        self._num_waiting -= 1
+                    streams[index].queue.put_nowait(delta)
             if not accepted.done():
                 accepted.set_result(None)
         except asyncio.CancelledError:
@@ -225,7 +244,8 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
     ingress = serve.deployment(serve.ingress(ingress_app)(_Ingress), name="FastdraftIngress").options(
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}}, graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
         max_ongoing_requests=1024)
-    return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue))
+    return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue,
+                                    ray_config.stream_interval))
 
 
 class _Ingress:
@@ -245,9 +265,9 @@ def build_app(args: dict[str, Any]):
     """The application for ``serve run fastdraft.server.ray_app:build_app model=NAME`` and
     ``serve deploy``: ``args`` are the config's ``args`` (``model``, ``dtype``,
     ``served_model_name``, ``num_replicas``, ``num_cpus_per_replica``, ``max_num_seqs``,
-    ``max_model_len``, ``max_queue``, ``autoscaling_config``)."""
+    ``max_model_len``, ``max_queue``, ``autoscaling_config``, ``stream_interval``)."""
     known = {"model", "dtype", "served_model_name", "num_replicas", "num_cpus_per_replica", "max_num_seqs",
-             "max_model_len", "max_queue", "autoscaling_config"}
+             "max_model_len", "max_queue", "autoscaling_config", "stream_interval"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}; known: {sorted(known)}")
@@ -259,7 +279,8 @@ def build_app(args: dict[str, Any]):
     ray_config = RayServeConfig(num_replicas=int(args.get("num_replicas", 1)),
                                 num_cpus_per_replica=int(args.get("num_cpus_per_replica", 1)),
                                 max_ongoing_requests=engine_config.max_num_seqs,
-                                autoscaling=args.get("autoscaling_config"))
+                                autoscaling=args.get("autoscaling_config"),
+                                stream_interval=int(args.get("stream_interval", 1)))
     load_engine = functools.partial(serving_engine, model, args.get("dtype", "bf16"), engine_config)
     return application(load_engine, server, ray_config)
 

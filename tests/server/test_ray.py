@@ -30,6 +30,7 @@ pytestmark = pytest.mark.ray
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
 APP = "fastdraft-test"
+STREAM_INTERVAL = 3  # the replicas send a request's tokens on every 3 steps
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +53,8 @@ def _engine_config() -> EngineConfig:
 def served(ray_serve, tiny_models):
     load_engine = functools.partial(serving_engine, str(tiny_models.dir("qwen2")), "fp32", _engine_config())
     serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
-                          RayServeConfig(num_replicas=2, max_ongoing_requests=8, graceful_shutdown_timeout_s=30),
+                          RayServeConfig(num_replicas=2, max_ongoing_requests=8, graceful_shutdown_timeout_s=30,
+                                         stream_interval=STREAM_INTERVAL),
                           app_name=APP), name=APP, route_prefix="/")
     wait_healthy(ray_serve, 120)
     yield ray_serve
@@ -78,9 +80,11 @@ def test_completions_and_chat_match_the_engine(served, tiny_models):
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == text and out.usage.completion_tokens == 12
-        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled, stream=True,
-                                           extra_body={"ignore_eos": True})
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled,
+                                                       stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == text
+        # The first token alone, then the other 11 in sends of 3 (the last send: what is left).
+        assert len(chunks) <= 1 + -(-11 // STREAM_INTERVAL)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                           n=2, temperature=1.0, seed=3)
     assert len(chat.choices) == 2 and all(c.message.role == "assistant" for c in chat.choices)
@@ -128,15 +132,17 @@ def _slow_engine(model_dir: str) -> LLMEngine:
 
 
 def _stream_tokens(url: str, max_tokens: int) -> tuple[int, str | None]:
-    """Stream one completion; (chunks with text or tokens, the finish reason)."""
-    num_chunks, finish = 0, None
+    """Stream one completion; (the tokens it streamed, the finish reason)."""
+    num_tokens, finish = 0, None
     for chunk in _client(url).completions.create(model=MODEL, prompt="def f():", max_tokens=max_tokens,
                                                  temperature=1.0, seed=1, stream=True,
+                                                 stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}):
         if chunk.choices:
-            num_chunks += 1
             finish = chunk.choices[0].finish_reason or finish
-    return num_chunks, finish
+        if chunk.usage:
+            num_tokens = chunk.usage.completion_tokens
+    return num_tokens, finish
 
 
 def test_open_streams_finish_across_a_scale_down_and_a_delete(ray_serve, tiny_models):

@@ -320,6 +320,7 @@ def test_a_full_queue_gets_429_with_retry_after(loaded):
 def _assert_sigterm_drains(process: subprocess.Popen, url: str, body: dict) -> None:
     """SIGTERM sent mid-stream: the stream still ends whole (``max_tokens`` 200), then exit 0."""
     pieces = []
+    body = {**body, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if not pieces and line.startswith("data: "):
@@ -327,7 +328,8 @@ def _assert_sigterm_drains(process: subprocess.Popen, url: str, body: dict) -> N
             if line:
                 pieces.append(line)
     assert pieces[-1] == "data: [DONE]"
-    assert sum(1 for p in pieces if p.startswith("data: {")) == 200
+    chunks = [json.loads(p[6:]) for p in pieces[:-1]]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 200
     assert process.wait(60) == 0
 
 
