@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastdraft.engine.sequence import Sequence
@@ -28,6 +29,15 @@ def block_hash(prev_hash: bytes, token_ids: list[int]) -> bytes:
     digest = hashlib.blake2b(prev_hash, digest_size=16)
     digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
     return digest.digest()
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> Iterator[bytes]:
+    """The keys of the leading full blocks of ``token_ids``, in order (computed as they are
+    taken, so that a caller may stop at the first one it does not find)."""
+    prev = _NO_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = block_hash(prev, token_ids[start:start + block_size])
+        yield prev
 
 
 @dataclass
@@ -90,11 +100,10 @@ class BlockManager:
         to a block this sequence owns, not into one other sequences are reading."""
         if not self.enable_prefix_caching:
             return []
-        found, prev = [], _NO_HASH
-        tokens = seq.token_ids
-        for start in range(0, (seq.num_tokens - 1) // self.block_size * self.block_size, self.block_size):
-            prev = block_hash(prev, tokens[start:start + self.block_size])
-            block_id = self._cached.get(prev)
+        found = []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        for key in prefix_block_hashes(seq.token_ids[:num_full * self.block_size], self.block_size):
+            block_id = self._cached.get(key)
             if block_id is None:
                 break
             found.append(self.blocks[block_id])

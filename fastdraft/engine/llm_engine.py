@@ -286,6 +286,7 @@ class LLMEngine:
         delta.token_gap_s = (now - request.last_token_time) / max(len(new_ids), 1)
         if request.num_sent == len(new_ids):
             delta.ttft_s = now - request.arrival
+            delta.num_cached_tokens = seq.num_cached_tokens
         request.last_token_time = now
         return delta
 

@@ -12,6 +12,7 @@ class GenerationMetrics:
 
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     ttft_s: float = 0.0  # request start -> first token
     token_latencies_s: list[float] = field(default_factory=list)  # gaps between later tokens
     finish_reason: str = ""  # "stop" (EOS or stop string) or "length"

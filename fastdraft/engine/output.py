@@ -25,7 +25,8 @@ class RequestDelta:
     token gets ``token_gap_s``, its share of the time since the request's previous delta
     (tokens verified together arrive together). With speculation on, ``num_draft_tokens`` is
     how many tokens the request drafted this step (0: it decoded plainly) and
-    ``num_accepted_tokens`` how many of them verification kept; None: it could not speculate."""
+    ``num_accepted_tokens`` how many of them verification kept; None: it could not speculate.
+    ``num_cached_tokens``, on the first delta: the prompt tokens found in the prefix cache."""
 
     request_id: str
     new_token_ids: list[int]
@@ -36,6 +37,7 @@ class RequestDelta:
     token_gap_s: float = 0.0
     num_draft_tokens: int | None = None
     num_accepted_tokens: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -92,6 +94,8 @@ class RequestCollector:
                 self.logprobs = []
             self.logprobs.extend(delta.new_logprobs)
         metrics = self.metrics
+        if delta.num_cached_tokens is not None:
+            metrics.num_cached_tokens = delta.num_cached_tokens
         if delta.ttft_s is not None:
             metrics.ttft_s = delta.ttft_s
             metrics.token_latencies_s.extend([delta.token_gap_s] * (num_new - 1))

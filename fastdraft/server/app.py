@@ -259,11 +259,15 @@ async def _collect(stream: RequestStream, metrics: ServerMetrics) -> RequestColl
 
 
 def _usage(finals: list[RequestCollector]) -> dict:
-    # A prompt counts once however many choices share it, as OpenAI counts it.
-    prompts = {tuple(r.prompt_token_ids): len(r.prompt_token_ids) for r in finals}
-    prompt_tokens = sum(prompts.values())
+    # A prompt counts once however many choices share it, as OpenAI counts it; its cached tokens
+    # are those its first choice found (the others find the whole prompt, just computed).
+    prompts: dict[tuple[int, ...], tuple[int, int]] = {}
+    for r in finals:
+        prompts.setdefault(tuple(r.prompt_token_ids), (len(r.prompt_token_ids), r.metrics.num_cached_tokens))
+    prompt_tokens = sum(n for n, _ in prompts.values())
     completion = sum(len(r.token_ids) for r in finals)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
 
 
 class _CompletionRender:

@@ -442,3 +442,14 @@ def test_engine_process_serves_streams_aborts_and_drains(tiny_models):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(live):
+    client = live.client()
+    prompt = "# a shared preamble that spans several blocks\n" * 3
+    first = client.completions.create(model=MODEL, prompt=prompt + "a", max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt + "b", max_tokens=2, temperature=0)
+    num_prompt = again.usage.prompt_tokens
+    # Block size 4: every full block but the one with the last token comes from the cache.
+    assert first.usage.prompt_tokens_details.cached_tokens < num_prompt // 2
+    assert again.usage.prompt_tokens_details.cached_tokens >= (num_prompt - 2) // 4 * 4 - 4
