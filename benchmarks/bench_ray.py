@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import random
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,92 +33,22 @@ import ray
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import _stream_once, closed_loop, summarize, wait_ready  # noqa: E402
+from bench_serving import _stream_once, closed_loop, percentile, summarize, wait_ready  # noqa: E402
 
 from fastdraft.engine.llm_engine import EngineConfig  # noqa: E402
-from fastdraft.engine.output import RequestDelta  # noqa: E402
 from fastdraft.fileio import write_json  # noqa: E402
 from fastdraft.kernels.build import cpu_model  # noqa: E402
 from fastdraft.models.registry import KNOWN_MODELS  # noqa: E402
 from fastdraft.server.app import ServerConfig  # noqa: E402
 from fastdraft.server.ray_app import RayServeConfig, application, serving_engine  # noqa: E402
+from fastdraft.server.standin import StandInEngine  # noqa: E402
 
-STANDIN_TTFT_S = 0.200
-STANDIN_TPOT_S = 0.025
-STANDIN_BATCH = 8
-
-
-class _StandInSeq:
-    def __init__(self, request_id: str, num_tokens: int) -> None:
-        self.request_id = request_id
-        self.num_tokens = num_tokens
-        self.num_sent = 0
-        self.first_token_at = 0.0  # monotonic time of its first token, set on admission
-
-
-class StandInEngine:
-    """An engine that sleeps instead of computing: each step takes the TPOT, and a request's
-    first token comes the TTFT after it is admitted, then one a step; up to ``STANDIN_BATCH``
-    requests at once (the others wait)."""
-
-    class _Stats:
-        def __init__(self) -> None:
-            self.running: list[_StandInSeq] = []
-            self.waiting: list[_StandInSeq] = []
-            self.num_preemptions = 0
-            self.usage = 0.0
-            self.num_prefix_queries = 0
-            self.num_prefix_hits = 0
-
-    def __init__(self) -> None:
-        self.tokenizer = None
-        self.vocab_size = 1000
-        self.max_model_len = 4096
-        self.scheduler = self.block_manager = self._Stats()
-
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
-
-    def add_request(self, prompt, params, request_id: str) -> str:
-        self.scheduler.waiting.append(_StandInSeq(request_id, params.max_new_tokens))
-        return request_id
-
-    def abort_request(self, request_id: str) -> bool:
-        for queue in (self.scheduler.running, self.scheduler.waiting):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    return True
-        return False
-
-    def step(self) -> list[RequestDelta]:
-        running, waiting = self.scheduler.running, self.scheduler.waiting
-        while waiting and len(running) < STANDIN_BATCH:
-            seq = waiting.pop(0)
-            seq.first_token_at = time.monotonic() + STANDIN_TTFT_S
-            running.append(seq)
-        time.sleep(STANDIN_TPOT_S)
-        now = time.monotonic()
-        deltas = []
-        for seq in list(running):
-            if now < seq.first_token_at:
-                continue
-            seq.num_sent += 1
-            finish = "length" if seq.num_sent >= seq.num_tokens else None
-            deltas.append(RequestDelta(seq.request_id, [1], "x", finish_reason=finish,
-                                       ttft_s=STANDIN_TTFT_S if seq.num_sent == 1 else None,
-                                       token_gap_s=STANDIN_TPOT_S))
-            if finish:
-                running.remove(seq)
-        return deltas
-
-
-def _deploy(load_engine, replicas: int, name: str, threads: int = 1, stream_interval: int = 1) -> str:
+def _deploy(load_engine, replicas: int, name: str, threads: int = 1, stream_interval: int = 1,
+            router: str = "pow2") -> str:
     serve.run(application(load_engine, ServerConfig(served_model_name="m", max_queue=4096),
                           RayServeConfig(num_replicas=replicas, num_cpus_per_replica=threads,
-                                         max_ongoing_requests=64, stream_interval=stream_interval),
-                          app_name=name), name=name, route_prefix="/")
+                                         max_ongoing_requests=64, stream_interval=stream_interval,
+                                         router=router)), name=name, route_prefix="/")
     return name
 
 
@@ -132,9 +65,11 @@ def main() -> None:
     parser.add_argument("--standin-tokens", type=int, default=64)
     parser.add_argument("--standin-requests", type=int, default=48, help="requests per replica, stand-in runs")
     parser.add_argument("--real-requests", type=int, default=24)
+    parser.add_argument("--routing-requests", type=int, default=256, help="requests per router, stand-in")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, real-model runs")
     parser.add_argument("--no-real", action="store_true", help="stand-in runs only")
     parser.add_argument("--no-standin", action="store_true", help="real-model runs only")
+    parser.add_argument("--no-routing", action="store_true", help="skip the routers' comparison")
     parser.add_argument("--stream-intervals", default="1,4",
                         help="the replicas' stream intervals the streamed stand-in runs compare (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
@@ -170,6 +105,10 @@ def main() -> None:
             key = "standin_uneven" if uneven else f"standin_interval_{interval}"
             results[key] = {"requests_per_s": rates, "ratio_4_to_1": rates[4] / rates[1]}
             print(f"{key}: 4 replicas / 1 = {rates[4] / rates[1]:.2f}x", flush=True)
+        if not args.no_standin:
+            results["draining"] = _draining(url, prompts, args.standin_tokens)
+        if not args.no_routing:
+            results["routing"] = _routing_standin(url, args)
         if not args.no_real:
             results["real"] = _real(args, url, prompts)
     finally:
@@ -177,6 +116,133 @@ def main() -> None:
         ray.shutdown()
         write_json(args.json, results)
     print(f"results written to {args.json}")
+
+
+@dataclass
+class _Routed:
+    """One streamed request as the routing comparison sees it."""
+
+    ttft_s: float = float("nan")
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replica: str = ""  # the stand-in names its replica in the first token's text
+    is_ok: bool = False
+
+
+async def _routed_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> _Routed:
+    result = _Routed()
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and not result.replica:
+                result.ttft_s = time.perf_counter() - start
+                named = re.match(r"\[(\w+)\]", chunk["choices"][0]["text"])
+                result.replica = named.group(1) if named else "?"
+            if chunk.get("usage"):
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                result.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                result.is_ok = True
+    return result
+
+
+def _routed_run(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[_Routed]:
+    async def run() -> list[_Routed]:
+        queue = list(range(len(prompts)))[::-1]
+        results = []
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+            async def worker() -> None:
+                while queue:
+                    results.append(await _routed_request(client, url, prompts[queue.pop()], max_tokens))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results
+
+    return asyncio.run(run())
+
+
+def _routing_summary(results: list[_Routed]) -> dict:
+    ok = [r for r in results if r.is_ok]
+    per_replica: dict[str, int] = {}
+    for r in ok:
+        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    return {"requests": len(results), "failed": len(results) - len(ok),
+            "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+            "ttft_p50_s": percentile([r.ttft_s for r in ok], 50), "ttft_p99_s": percentile([r.ttft_s for r in ok], 99),
+            "requests_per_replica": sorted(per_replica.values()),
+            "balance": max(per_replica.values()) / min(per_replica.values()) if per_replica else float("nan")}
+
+
+# The routing workload: shared prefixes (system prompts, conversations) that overflow one
+# replica's cache but fit in four, each request one of them plus a suffix of its own.
+ROUTING_GROUPS = 16
+ROUTING_PREFIX_TOKENS = 512
+ROUTING_SUFFIX_TOKENS = 32
+ROUTING_CACHE_BLOCKS = 200  # per replica: 4 prefixes of 32 blocks, and room for recent suffixes
+# The stand-in's TTFT: 50 ms plus 2 ms a prompt token not in its cache (a prefill of 500 tokens/s,
+# a few CPU cores' worth on a 1.5B model).
+ROUTING_TTFT_S = 0.050
+ROUTING_TTFT_PER_TOKEN_S = 0.002
+ROUTING_OUTPUT_TOKENS = 8  # prompt-heavy requests, as with long shared prompts
+
+
+def _routing_standin(url: str, args: argparse.Namespace) -> dict:
+    """Round robin, prefix-aware and power-of-two routing over 4 stand-in replicas whose TTFT
+    grows with the prompt tokens their caches miss: hit rate, TTFT, balance."""
+    rng = random.Random(args.seed + 1)
+    prefixes = [[rng.randrange(1, 900) for _ in range(ROUTING_PREFIX_TOKENS)] for _ in range(ROUTING_GROUPS)]
+    prompts = [prefixes[rng.randrange(ROUTING_GROUPS)] + [rng.randrange(1, 900) for _ in range(ROUTING_SUFFIX_TOKENS)]
+               for _ in range(args.routing_requests)]
+    load_engine = functools.partial(StandInEngine, ttft_s=ROUTING_TTFT_S, ttft_per_token_s=ROUTING_TTFT_PER_TOKEN_S,
+                                    cache_blocks=ROUTING_CACHE_BLOCKS)
+    out: dict = {}
+    for router in ("round-robin", "prefix", "pow2"):
+        _deploy(load_engine, 4, "routing", router=router)
+        wait_ready(url)
+        out[router] = _routing_summary(_routed_run(url, prompts, 32, ROUTING_OUTPUT_TOKENS))
+        serve.delete("routing")
+        summary = out[router]
+        print(f"routing {router}: hit rate {summary['hit_rate']:.2f}, TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, "
+              f"requests per replica {summary['requests_per_replica']} ({summary['failed']} failed)", flush=True)
+    baseline, prefix = out["round-robin"], out["prefix"]
+    out["prefix_vs_round_robin"] = {"hit_rate_ratio": prefix["hit_rate"] / max(baseline["hit_rate"], 1e-9),
+                                    "ttft_p50_reduction": 1 - prefix["ttft_p50_s"] / baseline["ttft_p50_s"],
+                                    "prefix_balance": prefix["balance"]}
+    print(f"prefix against round robin: {out['prefix_vs_round_robin']}", flush=True)
+    return out
+
+
+def _draining(url: str, prompts, num_tokens: int) -> dict:
+    """Streams open across a scale-down (4 stand-in replicas to 2) and then a ``serve.delete``:
+    how many did not end whole."""
+    _deploy(StandInEngine, 4, "standin")
+    wait_ready(url)
+    body = {"model": "m", "prompt": prompts[0], "max_tokens": num_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+    async def run() -> list:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            def open_streams(count: int) -> list:
+                return [asyncio.create_task(_stream_once(client, url, body)) for _ in range(count)]
+
+            streams = open_streams(32)
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(_deploy, StandInEngine, 2, "standin")  # scale down under load
+            streams += open_streams(16)
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(serve.delete, "standin")  # returns once the replicas have drained
+            return await asyncio.gather(*streams)
+
+    results = asyncio.run(run())
+    num_cut = sum(not r.is_ok or r.output_tokens != num_tokens for r in results)
+    print(f"draining: {num_cut} of {len(results)} streams cut across a scale-down and a serve.delete", flush=True)
+    return {"streams": len(results), "cut": num_cut}
 
 
 def _uneven(url: str, prompts, concurrency: int, lengths: list[int]) -> tuple[float, dict]:

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--autoscaling-config", default=None, metavar="FILE",
                      help="Ray: a JSON file of Ray Serve's autoscaling_config (min_replicas, max_replicas, "
                           "target_ongoing_requests, ...), replacing --replicas")
+    srv.add_argument("--router", choices=["pow2", "round-robin", "prefix"], default="pow2",
+                     help="Ray: how requests pick a replica: power of two choices (Ray Serve's default), round "
+                          "robin, or prefix (the replica whose prefix cache most likely holds the prompt)")
     srv.add_argument("--stream-interval", type=_positive_int, default=1,
                      help="Ray: engine steps a replica gathers before sending a request's tokens on; the first "
                           "and last go at once (default 1)")
@@ -286,7 +289,7 @@ def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
     ray_config = RayServeConfig(num_replicas=args.replicas, num_cpus_per_replica=args.num_cpus_per_replica,
                                 max_ongoing_requests=args.max_num_seqs, autoscaling=autoscaling,
                                 graceful_shutdown_timeout_s=args.graceful_timeout,
-                                stream_interval=args.stream_interval)
+                                stream_interval=args.stream_interval, router=args.router)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

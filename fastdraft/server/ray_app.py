@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
@@ -34,11 +35,16 @@ from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
                                             StepStats, merge_streams)
+from fastdraft.server.ray_routing import ROUTERS
 
 logger = logging.getLogger(__name__)
 
 # Seconds a replica being removed waits for its open streams to finish.
 GRACEFUL_SHUTDOWN_S = 120.0
+
+# Seconds between a replica's routing stats (its cache size, which the prefix router bounds its
+# map of the replica's blocks by, and its queue).
+ROUTING_STATS_PERIOD_S = 2.0
 
 # Each streamed token crosses the replica and ingress event loops; Serve's default runs user code
 # and the handle's router on loops of their own threads, so every token would also cross threads.
@@ -55,7 +61,9 @@ class RayServeConfig:
     ``stream_interval``: the engine steps a replica gathers before sending a request's new tokens
     on (a request's first and last tokens go at once); each send is one Ray object, so a larger
     interval trades token smoothness for less work per token on the ingress (vLLM's
-    ``--stream-interval``)."""
+    ``--stream-interval``). ``router`` picks the replica for each request: ``pow2`` (Ray Serve's
+    default, power of two choices), ``round-robin`` or ``prefix`` (the replica whose prefix cache
+    most likely holds the prompt's leading blocks; see :mod:`fastdraft.server.ray_routing`)."""
 
     num_replicas: int = 1
     num_cpus_per_replica: int = 1
@@ -63,8 +71,11 @@ class RayServeConfig:
     autoscaling: dict[str, Any] | None = None
     graceful_shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S
     stream_interval: int = 1
+    router: str = "pow2"
 
     def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {self.router!r}")
         if min(self.num_replicas, self.num_cpus_per_replica, self.max_ongoing_requests, self.stream_interval) < 1:
             raise ValueError("num_replicas, num_cpus_per_replica, max_ongoing_requests and stream_interval must be "
                              "positive")
@@ -81,9 +92,13 @@ class EngineDeployment:
     def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int,
                  stream_interval: int = 1) -> None:
         configure_process(num_threads=num_threads)
-        self.engine = AsyncEngine(load_engine(), max_queue)
+        self.engine = AsyncEngine(load_engine(), max_queue, self._on_step)
         self.stream_interval = stream_interval
+        self._last_step: StepStats | None = None
         self._started = False
+
+    def _on_step(self, stats: StepStats) -> None:
+        self._last_step = stats
 
     def _start(self) -> None:
         if not self._started:  # on the replica's event loop, which the constructor does not run on
@@ -116,6 +131,16 @@ class EngineDeployment:
         finally:
             for stream in streams:
                 stream.close()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the routers read of this replica (Ray Serve polls it): its queue and running
+        requests at the last step, and its KV cache's size, use and block size."""
+        blocks = self.engine.engine.block_manager
+        stats = {"num_blocks": blocks.num_blocks, "block_size": blocks.block_size}
+        if self._last_step is not None:
+            stats.update(num_waiting=self._last_step.num_waiting, num_running=self._last_step.num_running,
+                         kv_cache_usage=self._last_step.kv_cache_usage)
+        return stats
 
     def check_health(self) -> None:
         """Ray Serve's health probe: the engine's step loop must be alive."""
@@ -219,31 +244,37 @@ class RayEngineClient:
 ENGINE_DEPLOYMENT = "FastdraftEngine"
 
 
-def _ingress_app(config: ServerConfig, app_name: str) -> Any:
-    """The ingress replica's FastAPI app: the single-process server's routes over the replicas."""
+def _ingress_app(config: ServerConfig) -> Any:
+    """The ingress replica's FastAPI app: the single-process server's routes over the replicas
+    of its own application (whatever ``serve run`` or ``serve deploy`` named it)."""
+    app_name = serve.get_replica_context().app_name
     handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
     return build_fastapi_app(None, config, connect=functools.partial(RayEngineClient, handle, config.max_queue))
 
 
-def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig,
-                app_name: str = "default"):
+def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig):
     """The Ray Serve application: ``ray_config``'s engine replicas, each running
     ``load_engine()``, behind one ingress serving the OpenAI routes as ``server`` says. Run it
-    with ``serve.run(application(...), name=app_name)``."""
+    with ``serve.run(application(...), name=...)``."""
     scaling: dict[str, Any] = ({"autoscaling_config": ray_config.autoscaling} if ray_config.autoscaling
                                else {"num_replicas": ray_config.num_replicas})
+    routing: dict[str, Any] = {}
+    if ROUTERS[ray_config.router] is not None:
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTERS[ray_config.router], request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     engine = serve.deployment(EngineDeployment, name=ENGINE_DEPLOYMENT).options(
         ray_actor_options={"num_cpus": ray_config.num_cpus_per_replica, "runtime_env": {"env_vars": REPLICA_ENV}},
         max_ongoing_requests=ray_config.max_ongoing_requests,
         graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
-        health_check_period_s=10, **scaling)
+        health_check_period_s=10, **scaling, **routing)
+
     def ingress_app() -> Any:  # a function (not a partial), which Serve calls on each ingress replica
-        return _ingress_app(server, app_name)
+        return _ingress_app(server)
 
     # The ingress waits on I/O: it reserves no CPU, so that replicas can take every core.
     ingress = serve.deployment(serve.ingress(ingress_app)(_Ingress), name="FastdraftIngress").options(
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}}, graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s,
-        max_ongoing_requests=1024)
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
+        graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s, max_ongoing_requests=1024)
     return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue,
                                     ray_config.stream_interval))
 
@@ -265,9 +296,9 @@ def build_app(args: dict[str, Any]):
     """The application for ``serve run fastdraft.server.ray_app:build_app model=NAME`` and
     ``serve deploy``: ``args`` are the config's ``args`` (``model``, ``dtype``,
     ``served_model_name``, ``num_replicas``, ``num_cpus_per_replica``, ``max_num_seqs``,
-    ``max_model_len``, ``max_queue``, ``autoscaling_config``, ``stream_interval``)."""
+    ``max_model_len``, ``max_queue``, ``autoscaling_config``, ``stream_interval``, ``router``)."""
     known = {"model", "dtype", "served_model_name", "num_replicas", "num_cpus_per_replica", "max_num_seqs",
-             "max_model_len", "max_queue", "autoscaling_config", "stream_interval"}
+             "max_model_len", "max_queue", "autoscaling_config", "stream_interval", "router"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}; known: {sorted(known)}")
@@ -280,7 +311,8 @@ def build_app(args: dict[str, Any]):
                                 num_cpus_per_replica=int(args.get("num_cpus_per_replica", 1)),
                                 max_ongoing_requests=engine_config.max_num_seqs,
                                 autoscaling=args.get("autoscaling_config"),
-                                stream_interval=int(args.get("stream_interval", 1)))
+                                stream_interval=int(args.get("stream_interval", 1)),
+                                router=str(args.get("router", "pow2")))
     load_engine = functools.partial(serving_engine, model, args.get("dtype", "bf16"), engine_config)
     return application(load_engine, server, ray_config)
 
@@ -299,7 +331,7 @@ def run_on_ray(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_c
             signal.signal(sig, handler)
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(load_engine, server, ray_config, app_name), name=app_name, route_prefix="/")
+        serve.run(application(load_engine, server, ray_config), name=app_name, route_prefix="/")
         logger.info("serving %s on Ray at http://%s:%d", server.served_model_name, host, port)
         stop.wait()
         serve.delete(app_name)

@@ -4,6 +4,7 @@ the whole test run, driven by the official ``openai`` client on 127.0.0.1."""
 from __future__ import annotations
 
 import functools
+import random
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray import cloudpickle, serve  # noqa: E402
 
 from fastdraft.server.app import ServerConfig  # noqa: E402
-from fastdraft.server.ray_app import RayServeConfig, application, serving_engine  # noqa: E402
+from fastdraft.server.ray_app import RayServeConfig, application, build_app, serving_engine  # noqa: E402
+from fastdraft.server.standin import StandInEngine  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -54,8 +56,7 @@ def served(ray_serve, tiny_models):
     load_engine = functools.partial(serving_engine, str(tiny_models.dir("qwen2")), "fp32", _engine_config())
     serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
                           RayServeConfig(num_replicas=2, max_ongoing_requests=8, graceful_shutdown_timeout_s=30,
-                                         stream_interval=STREAM_INTERVAL),
-                          app_name=APP), name=APP, route_prefix="/")
+                                         stream_interval=STREAM_INTERVAL)), name=APP, route_prefix="/")
     wait_healthy(ray_serve, 120)
     yield ray_serve
     serve.delete(APP)
@@ -152,7 +153,7 @@ def test_open_streams_finish_across_a_scale_down_and_a_delete(ray_serve, tiny_mo
     def deploy(replicas: int) -> None:
         serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
                               RayServeConfig(num_replicas=replicas, max_ongoing_requests=8,
-                                             graceful_shutdown_timeout_s=60), app_name="drain"),
+                                             graceful_shutdown_timeout_s=60)),
                   name="drain", route_prefix="/drain")
 
     deploy(2)
@@ -203,3 +204,51 @@ def test_the_cli_serves_the_real_model_from_two_replicas_and_drains_on_sigterm(r
         if process.poll() is None:
             process.kill()
             process.wait(30)
+
+
+def _cache_hit_rate(url: str, prompts: list[list[int]]) -> float:
+    """Send ``prompts`` one after another; the share of their tokens the replicas' caches held."""
+    num_cached = num_prompt = 0
+    client = _client(url)
+    for prompt in prompts:
+        usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                          extra_body={"ignore_eos": True}).usage
+        num_cached += usage.prompt_tokens_details.cached_tokens
+        num_prompt += usage.prompt_tokens
+    return num_cached / num_prompt
+
+
+def test_the_prefix_router_keeps_shared_prompts_where_they_are_cached(ray_serve):
+    # Two stand-in replicas whose caches hold two of the four shared prefixes each: routed by
+    # prefix, each prefix stays on one replica and hits; in turn, both replicas see all four,
+    # and their caches thrash.
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1, 900) for _ in range(64)] for _ in range(4)]  # 4 blocks of 16 each
+    prompts = [prefixes[rng.randrange(4)] + [rng.randrange(1, 900) for _ in range(8)] for _ in range(40)]
+    load_engine = functools.partial(StandInEngine, ttft_s=0.0, cache_blocks=8)
+    rates = {}
+    for router in ("round-robin", "prefix"):
+        serve.run(application(load_engine, ServerConfig(served_model_name=MODEL, max_queue=16),
+                              RayServeConfig(num_replicas=2, router=router)),
+                  name="routing", route_prefix="/routing")
+        wait_healthy(f"{ray_serve}/routing", 120)
+        rates[router] = _cache_hit_rate(f"{ray_serve}/routing", prompts)
+        serve.delete("routing")
+    assert rates["prefix"] > 0.6 and rates["prefix"] > rates["round-robin"] + 0.25, rates
+
+
+def test_serve_run_builds_the_application_from_its_args(ray_serve, tiny_models):
+    with pytest.raises(ValueError, match="router"):
+        build_app({"router": "nearest"})
+    serve.run(build_app({"model": str(tiny_models.dir("qwen2")), "dtype": "fp32", "served_model_name": MODEL,
+                         "max_model_len": MAX_MODEL_LEN, "router": "prefix", "stream_interval": 2}),
+              name="built", route_prefix="/built")
+    try:
+        url = f"{ray_serve}/built"
+        wait_healthy(url, 120)
+        chunks = list(_client(url).completions.create(model=MODEL, prompt="def f():", max_tokens=5, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+    finally:
+        serve.delete("built")
