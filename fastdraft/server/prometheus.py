@@ -1,7 +1,13 @@
 """Prometheus metrics, named as vLLM names them with a ``fastdraft:`` prefix, so existing
-dashboards translate. Each server has its own registry: nothing is global."""
+dashboards translate. Each server has its own registry: nothing is global.
+
+The metrics are made by a :class:`MetricKinds`: prometheus_client's in a registry of the
+server's own by default; on Ray Serve replicas, Ray's (see ``fastdraft.server.ray_app``), which
+Ray exports from every node with each replica's tags."""
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -12,21 +18,51 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+class MetricKinds(Protocol):
+    """Makes the metrics: each takes a name (without prefix), a description and its label
+    names, and answers prometheus_client's calls (``labels``, ``inc``, ``set``, ``observe``)."""
+
+    def counter(self, name: str, doc: str, label_names: list[str]) -> Any: ...
+
+    def gauge(self, name: str, doc: str, label_names: list[str]) -> Any: ...
+
+    def histogram(self, name: str, doc: str, label_names: list[str], buckets: tuple[float, ...]) -> Any: ...
+
+
+class PrometheusKinds:
+    """prometheus_client metrics named ``fastdraft:NAME``, in ``registry``."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
+
+    def counter(self, name: str, doc: str, label_names: list[str]) -> Counter:
+        return Counter(f"fastdraft:{name}", doc, label_names, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, label_names: list[str]) -> Gauge:
+        return Gauge(f"fastdraft:{name}", doc, label_names, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, label_names: list[str], buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"fastdraft:{name}", doc, label_names, buckets=buckets, registry=self.registry)
+
+
+class ServerMetrics:
+    """A server's request and engine figures, fed by :meth:`record_step` and
+    :meth:`record_delta`; ``kinds`` makes them (prometheus_client's by default)."""
+
+    def __init__(self, model_name: str, kinds: MetricKinds | None = None) -> None:
+        kinds = PrometheusKinds() if kinds is None else kinds
+        self.registry = getattr(kinds, "registry", None)
         labels = {"model_name": model_name}
         names = list(labels)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"fastdraft:{name}", doc, names + list(extra), registry=self.registry)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return kinds.counter(name, doc, names + list(extra))
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"fastdraft:{name}", doc, names, registry=self.registry).labels(**labels)
+        def gauge(name: str, doc: str) -> Any:
+            return kinds.gauge(name, doc, names).labels(**labels)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"fastdraft:{name}", doc, names, buckets=_LATENCY_BUCKETS,
-                             registry=self.registry).labels(**labels)
+        def histogram(name: str, doc: str) -> Any:
+            return kinds.histogram(name, doc, names, _LATENCY_BUCKETS).labels(**labels)
 
         self.labels = labels
         self.ttft = histogram("time_to_first_token_seconds", "Time to the first token of a request")

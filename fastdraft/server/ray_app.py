@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
@@ -33,6 +34,7 @@ from fastdraft.models.registry import DEFAULT_MODEL
 from fastdraft.process import configure_process
 from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
+from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
                                             StepStats, merge_streams)
 from fastdraft.server.ray_routing import ROUTERS
@@ -85,20 +87,60 @@ class RayServeConfig:
             raise ValueError("graceful_shutdown_timeout_s must be positive")
 
 
+class _RayMetric:
+    """A ``ray.serve.metrics`` metric behind prometheus_client's calls, with its label values."""
+
+    def __init__(self, metric: Any, tags: dict[str, str] | None = None) -> None:
+        self.metric, self.tags = metric, tags or {}
+
+    def labels(self, **tags: str) -> _RayMetric:
+        return _RayMetric(self.metric, {**self.tags, **tags})
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount > 0:
+            self.metric.inc(amount, tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.metric.set(value, tags=self.tags)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value, tags=self.tags)
+
+
+class RayMetricKinds:
+    """Ray Serve's metrics for :class:`~fastdraft.server.prometheus.ServerMetrics`: made in a
+    replica, they carry its ``deployment``, ``replica`` and ``application`` tags, and Ray
+    exports them from each node as ``ray_fastdraft_NAME``."""
+
+    def counter(self, name: str, doc: str, label_names: list[str]) -> _RayMetric:
+        return _RayMetric(serve_metrics.Counter(f"fastdraft_{name}", doc, tag_keys=tuple(label_names)))
+
+    def gauge(self, name: str, doc: str, label_names: list[str]) -> _RayMetric:
+        return _RayMetric(serve_metrics.Gauge(f"fastdraft_{name}", doc, tag_keys=tuple(label_names)))
+
+    def histogram(self, name: str, doc: str, label_names: list[str], buckets: tuple[float, ...]) -> _RayMetric:
+        return _RayMetric(serve_metrics.Histogram(f"fastdraft_{name}", doc, boundaries=list(buckets),
+                                                  tag_keys=tuple(label_names)))
+
+
 class EngineDeployment:
     """One replica: a fastdraft engine, its step loop on a thread (made a Ray Serve deployment
-    by :func:`application`)."""
+    by :func:`application`). Its engine figures (latency, queue, KV use, prefix hits,
+    speculation) go to Ray's metrics, named as the single-process server's ``/metrics`` names
+    them."""
 
     def __init__(self, load_engine: Callable[[], LLMEngine], num_threads: int, max_queue: int,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, served_model_name: str = "") -> None:
         configure_process(num_threads=num_threads)
         self.engine = AsyncEngine(load_engine(), max_queue, self._on_step)
         self.stream_interval = stream_interval
+        self.metrics = ServerMetrics(served_model_name, RayMetricKinds())
         self._last_step: StepStats | None = None
         self._started = False
 
     def _on_step(self, stats: StepStats) -> None:
         self._last_step = stats
+        self.metrics.record_step(stats)
 
     def _start(self) -> None:
         if not self._started:  # on the replica's event loop, which the constructor does not run on
@@ -122,6 +164,7 @@ class EngineDeployment:
                 for index, item in batch:
                     if isinstance(item, EngineError):
                         raise item
+                    self.metrics.record_delta(item, streams[index].collector)
                     num_held[index] += 1
                     is_due |= item.ttft_s is not None or item.is_finished or num_held[index] >= self.stream_interval
                 held.extend(batch)
@@ -276,7 +319,7 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
         graceful_shutdown_timeout_s=ray_config.graceful_shutdown_timeout_s, max_ongoing_requests=1024)
     return ingress.bind(engine.bind(load_engine, ray_config.num_cpus_per_replica, server.max_queue,
-                                    ray_config.stream_interval))
+                                    ray_config.stream_interval, server.served_model_name))
 
 
 class _Ingress:

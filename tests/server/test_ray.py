@@ -35,11 +35,15 @@ APP = "fastdraft-test"
 STREAM_INTERVAL = 3  # the replicas send a request's tokens on every 3 steps
 
 
+METRICS_PORT = free_port()  # where the cluster's node exports its metrics
+
+
 @pytest.fixture(scope="session")
 def ray_serve():
     """One local cluster for the whole run (a start costs seconds): 4 CPUs, a small object
-    store, Serve's HTTP proxy on a free loopback port."""
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, configure_logging=False)
+    store, Serve's HTTP proxy on a free loopback port, metrics exported every second."""
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 * 2**20, configure_logging=False,
+             _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
@@ -103,6 +107,27 @@ def test_a_bad_request_gets_the_single_process_servers_answer(served):
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
     assert "maximum model length 128" in error["message"]
     assert httpx.post(f"{served}/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_each_replicas_engine_metrics_reach_rays_export(served):
+    client = _client(served)
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: client.completions.create(model=MODEL, prompt=f"def f{i}():", max_tokens=4,
+                                                          temperature=0, extra_body={"ignore_eos": True}), range(6)))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the node's agent exports what the replicas report, every second
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        ttft = [line for line in text.splitlines()
+                if line.startswith("ray_fastdraft_time_to_first_token_seconds_count{")]
+        if ttft:
+            break
+        time.sleep(1)
+    assert ttft, "no fastdraft metric in Ray's export"
+    assert all('replica="' in line and f'model_name="{MODEL}"' in line and 'deployment="FastdraftEngine"' in line
+               for line in ttft)
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in ttft) >= 1
+    assert any(line.startswith("ray_fastdraft_generation_tokens") for line in text.splitlines())
+    assert any(line.startswith("ray_fastdraft_kv_cache_usage_perc{") for line in text.splitlines())
 
 
 def test_a_client_that_goes_away_frees_its_request(served):
