@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve import metrics as serve_metrics
+from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
@@ -59,7 +60,8 @@ class RayServeConfig:
     """How the replicas run; checked with ``ValueError``.
 
     ``autoscaling`` (Ray Serve's ``autoscaling_config``: ``min_replicas``, ``max_replicas``,
-    ``target_ongoing_requests``, ...) replaces the fixed ``num_replicas`` when given.
+    ``target_ongoing_requests``, ...) replaces the fixed ``num_replicas`` when given; unless it
+    names a ``policy``, :class:`QueueAutoscalingPolicy` decides.
     ``stream_interval``: the engine steps a replica gathers before sending a request's new tokens
     on (a request's first and last tokens go at once); each send is one Ray object, so a larger
     interval trades token smoothness for less work per token on the ingress (vLLM's
@@ -185,10 +187,38 @@ class EngineDeployment:
                          kv_cache_usage=self._last_step.kv_cache_usage)
         return stats
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What :class:`QueueAutoscalingPolicy` reads of this replica (Ray Serve polls it): the
+        requests waiting in its engine's queue at the last step."""
+        return {"num_waiting": float(self._last_step.num_waiting if self._last_step else 0)}
+
     def check_health(self) -> None:
         """Ray Serve's health probe: the engine's step loop must be alive."""
         if self._started and not self.engine.is_alive:
             raise RuntimeError("the engine loop has stopped")
+
+
+class QueueAutoscalingPolicy:
+    """Ray Serve's default autoscaling (ongoing requests per replica against
+    ``target_ongoing_requests``), and one replica more per ``waiting_per_replica`` requests
+    waiting in the engines' own queues. Ongoing requests alone miss the engine's view: a
+    replica's requests may all be ongoing and yet wait, for a full batch or a full KV cache."""
+
+    def __init__(self, waiting_per_replica: int = 8) -> None:
+        if waiting_per_replica < 1:
+            raise ValueError("waiting_per_replica must be positive")
+        self.waiting_per_replica = waiting_per_replica
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        num_replicas, state = replica_queue_length_autoscaling_policy(ctx)
+        num_waiting = sum((ctx.aggregated_metrics or {}).get("num_waiting", {}).values())
+        if num_waiting >= self.waiting_per_replica:
+            wanted = ctx.current_num_replicas + int(num_waiting // self.waiting_per_replica)
+            num_replicas = max(num_replicas, min(wanted, ctx.capacity_adjusted_max_replicas))
+        return num_replicas, state
+
+
+QUEUE_POLICY = {"policy_function": f"{__name__}:QueueAutoscalingPolicy"}
 
 
 @dataclass
@@ -299,8 +329,8 @@ def application(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_
     """The Ray Serve application: ``ray_config``'s engine replicas, each running
     ``load_engine()``, behind one ingress serving the OpenAI routes as ``server`` says. Run it
     with ``serve.run(application(...), name=...)``."""
-    scaling: dict[str, Any] = ({"autoscaling_config": ray_config.autoscaling} if ray_config.autoscaling
-                               else {"num_replicas": ray_config.num_replicas})
+    scaling: dict[str, Any] = ({"autoscaling_config": {"policy": QUEUE_POLICY, **ray_config.autoscaling}}
+                               if ray_config.autoscaling else {"num_replicas": ray_config.num_replicas})
     routing: dict[str, Any] = {}
     if ROUTERS[ray_config.router] is not None:
         routing["request_router_config"] = RequestRouterConfig(

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -277,3 +278,44 @@ def test_serve_run_builds_the_application_from_its_args(ray_serve, tiny_models):
         assert chunks[-1].usage.completion_tokens == 5
     finally:
         serve.delete("built")
+
+
+def _num_running_replicas(app: str) -> int:
+    deployments = serve.status().applications[app].deployments
+    return deployments["FastdraftEngine"].replica_states.get("RUNNING", 0)
+
+
+def test_autoscaling_adds_a_replica_when_requests_wait_in_the_engine(ray_serve):
+    # target_ongoing_requests is far above the load, so that Ray's default policy alone would keep
+    # one replica: the second comes from the engine's waiting queue (16 of 24 requests wait for
+    # the stand-in's batch of 8).
+    autoscaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1000, "upscale_delay_s": 0,
+                   "downscale_delay_s": 600, "look_back_period_s": 1}
+    serve.run(application(functools.partial(StandInEngine, ttft_s=0.0), ServerConfig(served_model_name=MODEL),
+                          RayServeConfig(autoscaling=autoscaling, max_ongoing_requests=64)),
+              name="scaling", route_prefix="/scaling")
+    url = f"{ray_serve}/scaling"
+    wait_healthy(url, 120)
+    assert _num_running_replicas("scaling") == 1
+    stop = threading.Event()
+
+    def hold_a_stream() -> None:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            for _ in response.iter_lines():
+                if stop.is_set():
+                    return  # the client leaves; its request is aborted
+
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            streams = [pool.submit(hold_a_stream) for _ in range(24)]
+            deadline = time.monotonic() + 60
+            while _num_running_replicas("scaling") < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            num_replicas = _num_running_replicas("scaling")
+            stop.set()
+            for stream in streams:
+                stream.result(timeout=60)
+        assert num_replicas == 2
+    finally:
+        serve.delete("scaling")
