@@ -1,15 +1,19 @@
-"""fastdraft on Ray Serve: the cost of the Ray hop, and scaling with replicas.
+"""fastdraft on Ray Serve: the cost of the Ray hop, scaling with replicas, draining, routing.
 
-Everything runs on one local Ray cluster started here, on 127.0.0.1:
+Everything runs on one local Ray cluster started here, on 127.0.0.1; ``--parts`` picks:
 
-* **scaling, stand-in engine**: a replica whose engine sleeps a fixed TTFT (200 ms) and TPOT
-  (25 ms), batches 8 requests and streams ``--standin-tokens`` tokens (then, uneven, a random
-  length between half and all of them), so that Ray's own behaviour is measured without the
-  2 cores bounding the engines: requests/s of 4 replicas against 1, with 8 clients per replica,
-  for each of ``--stream-intervals``;
-* **overhead, real model**: one replica of the model behind Ray against ``fastdraft serve``
-  directly (same engine, same threads): TTFT p50 at concurrency 1, output tokens/s at 8;
-* **scaling, real model**: 2 replicas of one thread each against 1, both behind Ray.
+* **scaling**: stand-in replicas (``fastdraft.server.standin``: 200 ms TTFT, 25 ms TPOT, batch
+  8, ``--standin-tokens`` streamed tokens; then uneven lengths, between half and all of them),
+  so that Ray's own behaviour is measured without the 2 cores bounding the engines: requests/s
+  of 4 replicas against 1, 8 clients per replica, for each of ``--stream-intervals``;
+* **draining**: streams open across a scale-down from 4 replicas to 2 and a ``serve.delete``;
+* **routing**: round robin, prefix-aware and power-of-two routing over 4 stand-ins whose TTFT
+  grows with the prompt tokens their simulated caches miss: hit rate, TTFT, balance;
+* **real-routing**: the model on 2 replicas, requests sharing a ~1,000-token system prompt;
+* **overhead**: one replica of the model behind Ray against ``fastdraft serve`` directly (same
+  engine, same threads): TTFT p50 at concurrency 1, output tokens/s at 8;
+* **real-scaling**: 2 replicas of one thread each against 1, both behind Ray, with the CPU
+  seconds of the busiest processes.
 
     python benchmarks/bench_ray.py --model qwen2.5-coder-0.5b-instruct --json bench_results/ray.json
 """
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import random
 import re
 import subprocess
@@ -42,6 +47,9 @@ from fastdraft.models.registry import KNOWN_MODELS  # noqa: E402
 from fastdraft.server.app import ServerConfig  # noqa: E402
 from fastdraft.server.ray_app import RayServeConfig, application, serving_engine  # noqa: E402
 from fastdraft.server.standin import StandInEngine  # noqa: E402
+
+PARTS = ("scaling", "draining", "routing", "real-routing", "overhead", "real-scaling")
+
 
 def _deploy(load_engine, replicas: int, name: str, threads: int = 1, stream_interval: int = 1,
             router: str = "pow2") -> str:
@@ -67,14 +75,16 @@ def main() -> None:
     parser.add_argument("--real-requests", type=int, default=24)
     parser.add_argument("--routing-requests", type=int, default=256, help="requests per router, stand-in")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, real-model runs")
-    parser.add_argument("--no-real", action="store_true", help="stand-in runs only")
-    parser.add_argument("--no-standin", action="store_true", help="real-model runs only")
-    parser.add_argument("--no-routing", action="store_true", help="skip the routers' comparison")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"what to measure, comma-separated, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--stream-intervals", default="1,4",
                         help="the replicas' stream intervals the streamed stand-in runs compare (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench_results/ray.json"))
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; known: {', '.join(PARTS)}")
     print(f"CPU: {cpu_model()}", flush=True)
     ray.init(num_cpus=8, include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -85,7 +95,7 @@ def main() -> None:
     try:
         intervals = [int(v) for v in args.stream_intervals.split(",")]
         runs = [(False, interval) for interval in intervals] + [(True, 1)]
-        for uneven, interval in [] if args.no_standin else runs:
+        for uneven, interval in runs if "scaling" in parts else []:
             rates = {}
             for replicas in (1, 4):
                 _deploy(StandInEngine, replicas, "standin", stream_interval=interval)
@@ -105,12 +115,16 @@ def main() -> None:
             key = "standin_uneven" if uneven else f"standin_interval_{interval}"
             results[key] = {"requests_per_s": rates, "ratio_4_to_1": rates[4] / rates[1]}
             print(f"{key}: 4 replicas / 1 = {rates[4] / rates[1]:.2f}x", flush=True)
-        if not args.no_standin:
+        if "draining" in parts:
             results["draining"] = _draining(url, prompts, args.standin_tokens)
-        if not args.no_routing:
+        if "routing" in parts:
             results["routing"] = _routing_standin(url, args)
-        if not args.no_real:
-            results["real"] = _real(args, url, prompts)
+        if "real-routing" in parts:
+            results["real_routing"] = _real_routing(args, url)
+        if "overhead" in parts:
+            results["overhead"] = _overhead(args, url, prompts)
+        if "real-scaling" in parts:
+            results["real_scaling"] = _real_scaling(args, url, prompts)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -129,7 +143,7 @@ class _Routed:
     is_ok: bool = False
 
 
-async def _routed_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> _Routed:
+async def _routed_request(client: httpx.AsyncClient, url: str, prompt: list[int] | str, max_tokens: int) -> _Routed:
     result = _Routed()
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -152,7 +166,7 @@ async def _routed_request(client: httpx.AsyncClient, url: str, prompt: list[int]
     return result
 
 
-def _routed_run(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[_Routed]:
+def _routed_run(url: str, prompts: list, concurrency: int, max_tokens: int) -> list[_Routed]:
     async def run() -> list[_Routed]:
         queue = list(range(len(prompts)))[::-1]
         results = []
@@ -268,12 +282,14 @@ def _uneven(url: str, prompts, concurrency: int, lengths: list[int]) -> tuple[fl
     return sum(r.is_ok for r in results) / wall, {"failed": sum(not r.is_ok for r in results), "wall_s": wall}
 
 
-def _real(args: argparse.Namespace, url: str, prompts) -> dict:
-    """The real model: overhead of the Ray hop, and 2 replicas against 1."""
-    engine_config = EngineConfig(max_num_seqs=16, max_model_len=1024)
-    load_engine = functools.partial(serving_engine, args.model, "bf16", engine_config)
-    out: dict = {}
-    _deploy(load_engine, 1, "real")
+def _real_engine(args: argparse.Namespace):
+    return functools.partial(serving_engine, args.model, "bf16", EngineConfig(max_num_seqs=16, max_model_len=2048))
+
+
+def _overhead(args: argparse.Namespace, url: str, prompts) -> dict:
+    """One replica of the model behind Ray against ``fastdraft serve`` directly, same engine
+    and threads: TTFT at concurrency 1, output tokens/s at 8."""
+    _deploy(_real_engine(args), 1, "real")
     wait_ready(url)
     ray_c1 = summarize(*asyncio.run(closed_loop(url, "m", prompts, 1, args.real_requests // 2, args.max_tokens)))
     ray_c8 = summarize(*asyncio.run(closed_loop(url, "m", prompts, 8, args.real_requests, args.max_tokens)))
@@ -281,7 +297,7 @@ def _real(args: argparse.Namespace, url: str, prompts) -> dict:
     direct_port = args.port + 1
     direct = subprocess.Popen([sys.executable, "-m", "fastdraft.cli", "serve", "--model", args.model, "--port",
                                str(direct_port), "--threads", "1", "--served-model-name", "m", "--max-num-seqs", "16",
-                               "--max-model-len", "1024"], stdout=subprocess.DEVNULL)
+                               "--max-model-len", "2048"], stdout=subprocess.DEVNULL)
     try:
         direct_url = f"http://127.0.0.1:{direct_port}"
         wait_ready(direct_url, direct)
@@ -292,23 +308,74 @@ def _real(args: argparse.Namespace, url: str, prompts) -> dict:
     finally:
         direct.terminate()
         direct.wait(60)
-    out["overhead"] = {
-        "ttft_p50_added_ms": (ray_c1["ttft_p50_s"] - direct_c1["ttft_p50_s"]) * 1e3,
-        "throughput_ratio_c8": ray_c8["output_tok_s"] / direct_c8["output_tok_s"],
-        "ray_c1": ray_c1, "direct_c1": direct_c1, "ray_c8": ray_c8, "direct_c8": direct_c8}
-    print(f"overhead: TTFT p50 +{out['overhead']['ttft_p50_added_ms']:.1f} ms at concurrency 1; "
-          f"throughput {out['overhead']['throughput_ratio_c8']:.2f}x of direct at 8", flush=True)
-    tok_s = {}
+    out = {"ttft_p50_added_ms": (ray_c1["ttft_p50_s"] - direct_c1["ttft_p50_s"]) * 1e3,
+           "throughput_ratio_c8": ray_c8["output_tok_s"] / direct_c8["output_tok_s"],
+           "ray_c1": ray_c1, "direct_c1": direct_c1, "ray_c8": ray_c8, "direct_c8": direct_c8}
+    print(f"overhead: TTFT p50 +{out['ttft_p50_added_ms']:.1f} ms at concurrency 1; "
+          f"throughput {out['throughput_ratio_c8']:.2f}x of direct at 8", flush=True)
+    return out
+
+
+def _cpu_seconds_by_process() -> dict[str, float]:
+    """CPU seconds each process has used so far, by its command line (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:70]
+        except OSError:
+            continue
+        key = f"{entry.name} {name or fields[0]}"
+        out[key] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return out
+
+
+def _real_scaling(args: argparse.Namespace, url: str, prompts) -> dict:
+    """2 replicas of one thread each against 1, both behind Ray, with where the CPU went."""
+    tok_s, cpu = {}, {}
     for replicas in (1, 2):
-        _deploy(load_engine, replicas, "real")
+        _deploy(_real_engine(args), replicas, "real")
         wait_ready(url)
+        before, start = _cpu_seconds_by_process(), time.perf_counter()
         tok_s[replicas] = summarize(*asyncio.run(closed_loop(url, "m", prompts, 8 * replicas,
                                                              args.real_requests * replicas,
                                                              args.max_tokens)))["output_tok_s"]
+        wall, after = time.perf_counter() - start, _cpu_seconds_by_process()
+        used = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)
+        cpu[replicas] = {"wall_s": wall, "cores_available_s": wall * os.cpu_count(),
+                         "top_processes_cpu_s": {k: round(v, 2) for v, k in used[:8] if v > 0}}
         serve.delete("real")
-    out["scaling"] = {"output_tok_s": tok_s, "ratio_2_to_1": tok_s[2] / tok_s[1]}
+    out = {"output_tok_s": tok_s, "ratio_2_to_1": tok_s[2] / tok_s[1], "cpu": cpu}
     print(f"real model: 2 replicas / 1 = {tok_s[2] / tok_s[1]:.2f}x ({tok_s[1]:.1f} -> {tok_s[2]:.1f} tok/s)",
           flush=True)
+    return out
+
+
+# A shared system prompt of about 1,000 tokens, each request's question after it.
+SYSTEM_PROMPT = ("You are a careful Python reviewer. Read the code the user sends, find its bugs, and explain "
+                 "each one briefly, naming the line, what goes wrong, and the smallest fix. ") * 28
+
+
+def _real_routing(args: argparse.Namespace, url: str) -> dict:
+    """The model on 2 replicas, requests sharing a ~1,000-token system prompt: the prefix-cache
+    hit rate and TTFT p50 under round robin and the prefix-aware router."""
+    questions = [f"Question {i}: what does `sorted(xs)[{i}]` return when xs has {i + 3} items?" for i in range(16)]
+    out: dict = {}
+    for router in ("round-robin", "prefix"):
+        _deploy(_real_engine(args), 2, "real", router=router)
+        wait_ready(url)
+        results = _routed_run(url, [f"{SYSTEM_PROMPT}\n{q}\n" for q in questions], 2, 8)
+        serve.delete("real")
+        ok = [r for r in results if r.is_ok]
+        out[router] = {"requests": len(results), "failed": len(results) - len(ok),
+                       "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+                       "prompt_tokens": ok[0].prompt_tokens if ok else 0,
+                       "ttft_p50_s": percentile([r.ttft_s for r in ok], 50)}
+        print(f"real model, {router}: hit rate {out[router]['hit_rate']:.2f}, "
+              f"TTFT p50 {out[router]['ttft_p50_s'] * 1e3:.0f} ms", flush=True)
     return out
 
 
