@@ -197,13 +197,14 @@ def test_open_streams_finish_across_a_scale_down_and_a_delete(ray_serve, tiny_mo
 
 
 @pytest.mark.real_model
-def test_the_cli_serves_the_real_model_from_two_replicas_and_drains_on_sigterm(real_model_dir, real_model_fp32):
+def test_the_cli_serves_the_real_model_from_two_prefix_routed_replicas_and_drains(real_model_dir, real_model_fp32):
     # `fastdraft serve --backend ray` starts a cluster of its own (not the test run's), and
     # SIGTERM lets every open stream end whole before it exits 0.
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "fastdraft.cli", "serve", "--backend", "ray", "--replicas", "2",
-                                "--model", str(real_model_dir), "--dtype", "fp32", "--served-model-name", MODEL,
-                                "--max-model-len", "512", "--max-num-seqs", "4", "--port", str(port)])
+                                "--router", "prefix", "--model", str(real_model_dir), "--dtype", "fp32",
+                                "--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4",
+                                "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 300)
