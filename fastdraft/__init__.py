@@ -14,12 +14,12 @@ from fastdraft.generator import TextGenerator
 from fastdraft.llm import LLM, AutoModelForCausalLM
 from fastdraft.process import configure_process
 from fastdraft.quant.quant_config import QuantConfig
-from fastdraft.sampling_params import SamplingParams
+from fastdraft.sampling_params import Constraint, SamplingParams
 from fastdraft.speculative.speculative_config import SpeculativeConfig
 
 __version__ = "0.1.0"
 __all__ = [
-    "LLM", "AutoModelForCausalLM", "CompletionOutput", "GenerationMetrics", "ModelConfig", "QuantConfig",
+    "LLM", "AutoModelForCausalLM", "CompletionOutput", "Constraint", "GenerationMetrics", "ModelConfig", "QuantConfig",
     "RequestOutput", "SamplingParams", "SpeculativeConfig", "TextGenerator", "configure_process", "load_model",
     "__version__",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json as _json  # the constraint's argument is named json, as vLLM names it
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any
 
 # torch.Generator.manual_seed takes 64-bit values; a CPU draft beside a CUDA target seeds its own
 # generator with seed + 1, so the signed range keeps both in bounds.
@@ -19,11 +21,72 @@ def _is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+# Output tokens when a request gives no limit.
+DEFAULT_MAX_TOKENS = 256
+
+_CONSTRAINT_KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must follow: ``kind`` is ``json`` (``value``: a JSON schema),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (``value``: a JSON list of the
+    strings) or ``grammar`` (EBNF as xgrammar reads it: GBNF's syntax, ``root`` the start rule).
+    Hashable by content, so that each distinct constraint compiles once. Build one with
+    :meth:`of`."""
+
+    kind: str
+    value: str = ""
+
+    @classmethod
+    def of(cls, json: Any = None, json_object: bool = False, regex: str | None = None,
+           choice: list[str] | None = None, grammar: str | None = None) -> Constraint:
+        """The constraint of exactly one of the arguments (vLLM's ``StructuredOutputsParams``
+        fields); ``ValueError`` unless exactly one is given, or for a value of the wrong type."""
+        given = [name for name, value in (("json", json), ("json_object", json_object or None), ("regex", regex),
+                                          ("choice", choice), ("grammar", grammar)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"a constraint is exactly one of json, json_object, regex, choice and grammar; got "
+                             f"{given or 'none'}")
+        if json is not None:
+            if isinstance(json, str):
+                try:
+                    json = _json.loads(json)
+                except ValueError as e:
+                    raise ValueError(f"invalid JSON schema: {e}") from None
+            if not isinstance(json, dict):
+                raise ValueError("a JSON schema is an object")
+            return cls("json", _json.dumps(json))  # property order as given: the output follows it
+        if json_object:
+            return cls("json_object")
+        if regex is not None:
+            if not isinstance(regex, str) or not regex:
+                raise ValueError("a regex is a non-empty string")
+            return cls("regex", regex)
+        if choice is not None:
+            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("a choice is a non-empty list of non-empty strings")
+            return cls("choice", _json.dumps(choice))
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError("a grammar is a non-empty string")
+        return cls("grammar", grammar)
+
+    @property
+    def description(self) -> str:
+        return _CONSTRAINT_KINDS[self.kind]
+
+
+
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy decoding."""
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy decoding.
 
-    max_new_tokens: int = 256
+    ``max_tokens`` (vLLM's name) and ``max_new_tokens`` (HF's) are one limit: give either (both
+    only if equal); 256 when neither is given. ``structured_outputs``: a :class:`Constraint`
+    the output must follow."""
+
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables nucleus sampling
@@ -38,13 +101,23 @@ class SamplingParams:
     logprobs: int | None = None  # report the chosen token's log-probability and this many top ones
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     detokenize: bool = True  # False: tokens only, no text (as vLLM's option; no stop strings then)
+    max_tokens: int | None = None
+    structured_outputs: Constraint | None = None
 
     def uses_engine_extras(self) -> bool:
         """Whether any option only the serving engine honours is set."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or self.min_tokens > 0 or self.logprobs is not None or bool(self.logit_bias))
+                or self.min_tokens > 0 or self.logprobs is not None or bool(self.logit_bias)
+                or self.structured_outputs is not None)
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_new_tokens is not None and self.max_tokens != self.max_new_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens!r}) and max_new_tokens ({self.max_new_tokens!r}) name "
+                             "one limit: give one of them")
+        limit = next((v for v in (self.max_tokens, self.max_new_tokens) if v is not None), DEFAULT_MAX_TOKENS)
+        self.max_new_tokens = self.max_tokens = limit
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, Constraint):
+            raise ValueError("structured_outputs must be a Constraint (Constraint.of(json=..., regex=..., ...))")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)):
@@ -80,6 +153,7 @@ class SamplingParams:
             raise ValueError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
         # NumPy scalars pass the checks above; store plain Python numbers.
         self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
+        self.max_tokens = self.max_new_tokens
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)
 

@@ -44,6 +44,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` tokenizer itself (for libraries that read its vocabulary)."""
+        return self._tok
+
     def get_vocab(self) -> dict[str, int]:
         """token -> id, added tokens included."""
         return self._tok.get_vocab(with_added_tokens=True)

@@ -24,6 +24,7 @@ from fastdraft.engine.request import check_request
 from fastdraft.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from fastdraft.engine.sequence import Sequence, SequenceStatus
 from fastdraft.engine.speculation import Speculator, SpeculatorFactory, may_speculate
+from fastdraft.engine.structured import StructuredOutputs, check_constraint
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
@@ -143,11 +144,15 @@ class LLMEngine:
             self.speculator = speculation(loaded, self.runner, self.config.max_num_seqs)
         self._requests: dict[str, _Request] = {}
         self._streams: dict[str, deque[RequestDelta]] = {}  # deltas waiting for outputs()'s reader
+        # Constrained requests: made on the first one; its sequences wait here until compiled.
+        self.structured: StructuredOutputs | None = None
+        self._compiling: list[Sequence] = []
+        self._eos_token_ids = sorted(eos_token_ids)
         self._ids = itertools.count()
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._compiling)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -160,6 +165,8 @@ class LLMEngine:
         else:
             prompt_ids, text = prompt, None
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:
@@ -167,7 +174,15 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_ids, params, request_id=request_id)
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:  # joins the scheduler when its grammar is compiled (off the step loop)
+            if self.structured is None:
+                self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self._eos_token_ids)
+                self.runner.structured = self.structured
+            self.structured.submit(params.structured_outputs)
+            self.scheduler.check_fits(seq)
+            self._compiling.append(seq)
         self._requests[request_id] = _Request(seq, text, IncrementalDetokenizer(self.tokenizer))
         return request_id
 
@@ -184,28 +199,61 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        if request.seq in self._compiling:
+            self._compiling.remove(request.seq)
         self.scheduler.abort(request_id)
         self._release(request.seq)
         return True
 
     def _release(self, seq: Sequence) -> None:
         self.runner.release(seq)
+        if self.structured is not None:
+            self.structured.release(seq)
         if self.speculator is not None:
             self.speculator.policy.release(seq)
             self.speculator.proposer.release(seq)
 
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Queue the constrained sequences whose grammars are ready, in arrival order; a final
+        delta (``finish_reason`` "abort") for each whose grammar failed to compile."""
+        failed = []
+        for seq in list(self._compiling):
+            try:
+                if not self.structured.is_ready(seq):
+                    continue
+            except Exception:  # the library's own error type varies; the request ends, the engine goes on
+                logger.exception("request %s: its grammar failed to compile", seq.request_id)
+                self._compiling.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                self._release(seq)
+                request = self._requests.pop(seq.request_id)
+                failed.append(self._emit(request, time.perf_counter()))
+                continue
+            self._compiling.remove(seq)
+            self.scheduler.add(seq)
+        return failed
+
     def step(self) -> list[RequestDelta]:
         """Run one scheduled step; a delta for each request that produced tokens in it."""
+        failed = self._admit_compiled() if self._compiling else []
         output = self.scheduler.schedule()
         if output.is_empty:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("no request could be scheduled: the KV cache is too small for the next one")
-            return []
+            if self._compiling:
+                time.sleep(0.001)  # only grammars compiling: wait for them, not in a busy loop
+            return self._hand_out(failed)
         plain = self._speculate(output) if self.speculator is not None else set()
         sampled = self.runner.execute(output)
         self.scheduler.update(output, sampled)
+        if self.structured is not None:
+            for seq in output.seqs:
+                # A grammar completed without its stop token (ignore_eos) ends the request here.
+                if seq.seq_id in sampled and self.structured.accept(seq, sampled[seq.seq_id]) \
+                        and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
         now = time.perf_counter()
-        deltas = []
+        deltas = failed
         for seq in output.seqs:
             if seq.seq_id not in sampled:
                 continue
@@ -222,6 +270,11 @@ class LLMEngine:
                 self._release(seq)
                 del self._requests[seq.request_id]
             deltas.append(delta)
+        return self._hand_out(deltas)
+
+    def _hand_out(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """``deltas``, kept too for the readers of ``outputs()`` that wait on them."""
+        for delta in deltas:
             if delta.request_id in self._streams:
                 self._streams[delta.request_id].append(delta)
         return deltas

@@ -11,6 +11,7 @@ import torch
 from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
+from fastdraft.engine.structured import StructuredOutputs
 from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span, flat_batch
@@ -41,6 +42,8 @@ class ModelRunner:
         # path (hooks, no CPU kernels, CUDA, a block size the C++ attention does not take).
         self.decoder = model.fused_decoder() if is_paged_block_size(kv_cache.block_size) else None
         self._generators: dict[int, torch.Generator] = {}
+        # Grammar state of constrained requests (the engine sets it on the first one).
+        self.structured: StructuredOutputs | None = None
         # Masked while a request is short of its min_tokens (the scheduler owns finishing on them).
         self.eos_token_ids = frozenset(eos_token_ids or ())
         # The log-probabilities of the last step's sampled tokens, for requests that ask
@@ -185,6 +188,10 @@ class ModelRunner:
             if row is not original:
                 processed = logits.clone() if processed is logits else processed
                 processed[i] = row
+        constrained = self.structured.constrained(samplers) if self.structured is not None else []
+        if constrained:
+            processed = logits.clone() if processed is logits else processed
+            self.structured.mask(samplers, processed, constrained)
         token_ids = sample_batch(processed, [seq.params for seq in samplers],
                                  [self.generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]
         for i, (seq, token) in enumerate(zip(samplers, token_ids)):

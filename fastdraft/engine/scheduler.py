@@ -81,6 +81,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; ``ValueError`` if it could never fit the cache, even alone."""
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """``ValueError`` if ``seq`` could never fit the cache, even alone."""
         max_tokens = seq.num_prompt_tokens + seq.params.max_new_tokens
         needed = self.block_manager.num_blocks_for(max_tokens)
         if needed > self.block_manager.num_blocks:
@@ -91,8 +97,6 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id} may reach {max_tokens - 1} tokens to compute in one step; "
                              f"max_num_batched_tokens is {self.config.max_num_batched_tokens} and chunked "
                              "prefill is off")
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop the request, freeing its blocks; the sequence, or None if it is unknown."""

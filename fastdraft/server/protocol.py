@@ -7,8 +7,14 @@ Parameters fall in three groups:
   ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``, ``stream_options`` without
   ``stream``);
 * refused with a 400 that names them, because honouring them would change the output and
-  fastdraft does not (``REFUSED``): tools and functions, structured ``response_format``,
-  ``suffix``, ``best_of`` above ``n``, audio, predicted outputs. A field the API does not have at
+  fastdraft does not (``REFUSED``): tools and functions, ``suffix``, ``best_of`` above ``n``,
+  audio, predicted outputs.
+
+Structured output comes from one of ``response_format`` (OpenAI's ``json_object`` and
+``json_schema``), ``structured_outputs`` (vLLM's object: ``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``) or vLLM's older ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar``; an invalid schema, regex or grammar is a 400 that
+names the problem. A field the API does not have at
   all is refused too, so a typo never passes silently.
 """
 
@@ -16,9 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from fastdraft.sampling_params import SamplingParams
+from fastdraft.engine.structured import check_constraint
+from fastdraft.sampling_params import Constraint, SamplingParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -44,6 +51,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(BaseModel):
     """Fields common to both endpoints. Unknown fields are collected and checked by ``check``."""
 
@@ -66,6 +89,12 @@ class _Request(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -91,11 +120,47 @@ class _Request(BaseModel):
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
         return value
 
+    _constraint: Constraint | None = PrivateAttr(default=None)
+
     def check_extra(self) -> None:
         for name in (self.model_extra or {}):
             if name in REFUSED:
                 raise RequestError(f"'{name}' is not supported by this server", param=name)
             raise RequestError(f"unknown parameter '{name}'", param=name)
+        self._constraint = self._checked_constraint()
+
+    def _checked_constraint(self) -> Constraint | None:
+        """The output's constraint, from whichever field gives one; checked (a bad schema,
+        regex or grammar is a ``RequestError`` naming it)."""
+        sources: list[tuple[str, dict[str, Any]]] = []
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            sources.append(("response_format", {"json_object": True}))
+        elif form is not None and form.type == "json_schema":
+            schema = (form.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise RequestError("response_format json_schema needs its schema: {\"json_schema\": {\"name\": ..., "
+                                   "\"schema\": {...}}}", param="response_format")
+            sources.append(("response_format", {"json": schema}))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            sources.append(("structured_outputs", {"json" if k == "json_schema" else k: v for k, v in given.items()}))
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                sources.append((field, {key: getattr(self, field)}))
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise RequestError(f"give one output constraint, not {', '.join(name for name, _ in sources)}",
+                               param=sources[1][0])
+        param, kwargs = sources[0]
+        try:
+            constraint = Constraint.of(**kwargs)
+            check_constraint(constraint)
+        except ValueError as e:
+            raise RequestError(str(e), param=param) from None
+        return constraint
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
         """The engine's parameters for choice ``index`` of ``n`` (a seeded request's choices
@@ -108,7 +173,8 @@ class _Request(BaseModel):
                 seed=None if self.seed is None else (self.seed + index) % (2**63 - 1), stop=stop,
                 ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                min_tokens=min(self.min_tokens, max_tokens), logprobs=logprobs, logit_bias=bias)
+                min_tokens=min(self.min_tokens, max_tokens), logprobs=logprobs, logit_bias=bias,
+                structured_outputs=self._constraint)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -165,17 +231,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     @field_validator("messages")
     @classmethod
@@ -189,8 +249,6 @@ class ChatCompletionRequest(_Request):
 
     def check_extra(self) -> None:
         super().check_extra()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError("response_format other than text is not supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
 

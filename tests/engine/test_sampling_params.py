@@ -49,3 +49,14 @@ def test_numpy_scalars_are_stored_as_python_numbers():
     assert type(params.temperature) is float and params.temperature == 0.5
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=np.bool_(True))
+
+
+def test_max_tokens_and_max_new_tokens_are_one_limit():
+    assert SamplingParams().max_tokens == SamplingParams().max_new_tokens == 256
+    assert SamplingParams(max_tokens=5).max_new_tokens == 5
+    assert SamplingParams(max_new_tokens=7).max_tokens == 7
+    assert SamplingParams(max_tokens=9, max_new_tokens=9).max_new_tokens == 9
+    with pytest.raises(ValueError, match="one limit"):
+        SamplingParams(max_tokens=5, max_new_tokens=6)
+    with pytest.raises(ValueError, match="positive integer"):
+        SamplingParams(max_tokens=0)

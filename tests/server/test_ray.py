@@ -4,6 +4,7 @@ the whole test run, driven by the official ``openai`` client on 127.0.0.1."""
 from __future__ import annotations
 
 import functools
+import json
 import random
 import signal
 import subprocess
@@ -99,6 +100,15 @@ def test_completions_and_chat_match_the_engine(served, tiny_models):
     stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **sampled, stop=[text[1:3]],
                                         extra_body={"ignore_eos": True})
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(text[1:3])]
+
+
+def test_response_format_through_the_replicas(served):
+    schema = {"type": "object", "properties": {"pick": {"enum": ["left", "right"]}}, "required": ["pick"],
+              "additionalProperties": False}
+    out = _client(served).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "which way?"}], max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "way", "schema": schema}})
+    assert json.loads(out.choices[0].message.content)["pick"] in {"left", "right"}
 
 
 def test_a_bad_request_gets_the_single_process_servers_answer(served):

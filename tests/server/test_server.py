@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -453,3 +455,61 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(live):
     # Block size 4: every full block but the one with the last token comes from the cache.
     assert first.usage.prompt_tokens_details.cached_tokens < num_prompt // 2
     assert again.usage.prompt_tokens_details.cached_tokens >= (num_prompt - 2) // 4 * 4 - 4
+
+
+class _Pick(pydantic.BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+PICK_SCHEMA = _Pick.model_json_schema()
+
+
+def test_response_format_json_schema_and_json_object(live):
+    client = live.client()
+    form = {"type": "json_schema", "json_schema": {"name": "pick", "schema": PICK_SCHEMA, "strict": True}}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=40,
+                                         temperature=0.8, seed=2, response_format=form)
+    assert _Pick.model_validate_json(out.choices[0].message.content) and out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}],
+                                                 max_tokens=40, temperature=0, response_format=form, stream=True))
+    assert _Pick.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    text = client.completions.create(model=MODEL, prompt="{", max_tokens=60, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert text.text.startswith("{") and (text.finish_reason == "length" or isinstance(json.loads(text.text), dict))
+
+
+def test_parse_with_a_pydantic_model(live):
+    parsed = live.client().chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "pick"}],
+                                                  max_tokens=40, temperature=0, response_format=_Pick)
+    assert isinstance(parsed.choices[0].message.parsed, _Pick)
+
+
+def test_vllm_structured_outputs_and_its_older_names(live):
+    client = live.client()
+
+    def complete(**extra) -> str:
+        return client.completions.create(model=MODEL, prompt="x", max_tokens=40, temperature=0,
+                                         extra_body=extra).choices[0].text
+
+    assert complete(structured_outputs={"choice": ["alpha", "beta"]}) in {"alpha", "beta"}
+    assert complete(guided_choice=["alpha", "beta"]) in {"alpha", "beta"}
+    assert re.fullmatch(r"\d{3}-[a-z]{2}", complete(structured_outputs={"regex": r"\d{3}-[a-z]{2}"}))
+    assert re.fullmatch(r"\d{3}-[a-z]{2}", complete(guided_regex=r"\d{3}-[a-z]{2}"))
+    assert complete(guided_grammar='root ::= "on" | "off"') in {"on", "off"}
+    assert _Pick.model_validate_json(complete(structured_outputs={"json": PICK_SCHEMA}))
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format", "invalid JSON schema"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "invalid regex"),
+    ({"guided_grammar": "root ::= nowhere"}, "guided_grammar", "invalid grammar"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(live, extra, param, message):
+    response = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
