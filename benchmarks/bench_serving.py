@@ -67,9 +67,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
     for attempt in range(2):
         result = await _stream_once(client, url, body)
         # A pooled connection the server had already closed fails before any byte: send it again once.
@@ -114,7 +115,9 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> Reque
 
 
 async def closed_loop(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                      max_tokens: int) -> tuple[list[RequestResult], float]:
+                      max_tokens: int, extras: list[dict | None] | None = None) -> tuple[list[RequestResult], float]:
+    """``num_requests`` streamed requests, ``concurrency`` at a time; request ``i`` takes
+    ``prompts[i % len(prompts)]`` and, with ``extras``, ``extras[i % len(extras)]``'s fields."""
     queue = list(range(num_requests))
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -122,7 +125,8 @@ async def closed_loop(url: str, model: str, prompts: list[str], concurrency: int
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+                extra = extras[i % len(extras)] if extras else None
+                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, extra))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -151,6 +155,36 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
             "ttft_p50_s": percentile([r.ttft_s for r in ok], 50), "ttft_p99_s": percentile([r.ttft_s for r in ok], 99),
             "tpot_p50_s": percentile(tpots, 50), "tpot_p99_s": percentile(tpots, 99), "itl_p99_s": percentile(itls, 99),
             "errors": sorted({r.error for r in results if r.error})[:3]}
+
+
+# Long enough that the constrained requests, like the free ones, run to max_tokens: the two
+# loads then differ only in what the constraint costs.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"items": {
+    "type": "array", "minItems": 60, "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["name", "count"]}}}, "required": ["items"]}
+
+
+def _structured(args: argparse.Namespace, url: str, tokenizer: Tokenizer, concurrency: int,
+                lines: list[str]) -> dict:
+    """Output tokens/s with half the requests held to a JSON schema, against the same load free
+    (each run with prompts of its own, so that none finds another's in the prefix cache)."""
+    form = {"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": STRUCTURED_SCHEMA}}}
+    num = 2 * concurrency
+    pool = make_prompts(tokenizer, 2 * args.rounds * num, args.prompt_tokens, args.seed + 2)
+    tok_s: dict[str, list[float]] = {"free": [], "half constrained": []}
+    runs = [(name, extras) for _ in range(args.rounds)
+            for name, extras in (("free", None), ("half constrained", [form, None]))]
+    for run_index, (name, extras) in enumerate(runs):
+        prompts = pool[run_index * num:(run_index + 1) * num]
+        summary = summarize(*asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens,
+                                                     extras)))
+        tok_s[name].append(summary["output_tok_s"])
+        lines.append(row_text(f"fastdraft, {name}", f"concurrency {concurrency}", summary))
+        print(lines[-1], flush=True)
+    ratio = statistics.median(tok_s["half constrained"]) / statistics.median(tok_s["free"])
+    print(f"structured: half constrained / free = {ratio:.3f}x output tok/s", flush=True)
+    return {"output_tok_s": tok_s, "ratio": ratio, "concurrency": concurrency, "requests": num}
 
 
 def wait_ready(url: str, process: subprocess.Popen | None = None, timeout_s: float = 600) -> None:
@@ -235,6 +269,9 @@ def main() -> None:
     parser.add_argument("--shared-prefix", action="store_true",
                         help="also the shared-system-prompt case at concurrency 4, prefix caching on and off")
     parser.add_argument("--shared-prefix-tokens", type=int, default=1000)
+    parser.add_argument("--structured", action="store_true",
+                        help="also half the requests held to a JSON schema against none, at the largest "
+                             "concurrency, interleaved over --rounds")
     parser.add_argument("--shared-requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-modes", default="thread",
@@ -330,6 +367,8 @@ def main() -> None:
             load = f"Poisson {args.request_rate:g} req/s"
             results["rows"].append({"system": "fastdraft", "load": load, **summary})
             lines.append(row_text("fastdraft", load, summary))
+        if args.structured:
+            results["structured"] = _structured(args, fastdraft_url, tokenizer, max(args.concurrency), lines)
         if args.shared_prefix:
             system_prompt = make_prompts(tokenizer, 1, args.shared_prefix_tokens, args.seed + 1)[0]
             shared = [f"{system_prompt}\n# Question {i}: what does this code do?\n" for i in range(args.shared_requests)]
