@@ -190,7 +190,9 @@ class ModelRunner:
                 processed[i] = row
         constrained = self.structured.constrained(samplers) if self.structured is not None else []
         if constrained:
-            processed = logits.clone() if processed is logits else processed
+            # Masked in place; copied first only where a masked row reports its model's logprobs.
+            if processed is logits and any(samplers[i].params.logprobs is not None for i in constrained):
+                processed = logits.clone()
             self.structured.mask(samplers, processed, constrained)
         token_ids = sample_batch(processed, [seq.params for seq in samplers],
                                  [self.generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]

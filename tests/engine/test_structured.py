@@ -10,7 +10,7 @@ import pytest
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
-from fastdraft.engine.structured import check_constraint
+from fastdraft.engine.structured import apply_bitmask, check_constraint
 from fastdraft.sampling_params import Constraint, SamplingParams
 from fastdraft.speculative.factory import speculator_factory
 from fastdraft.speculative.speculative_config import SpeculativeConfig
@@ -104,3 +104,17 @@ def test_a_constraint_is_exactly_one_thing():
         Constraint.of(choice=[])
     with pytest.raises(ValueError, match="JSON schema"):
         Constraint.of(json="{not json")
+
+
+def test_the_bitmask_twin_matches_xgrammars_own_kernel():
+    import torch
+    import xgrammar as xgr
+
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = 1000
+    logits = torch.randn(5, vocab_size, generator=generator)  # [num_rows, vocab_size]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-vocab_size // 32)), dtype=torch.int32, generator=generator)
+    expected, actual = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab_size, indices=[0, 2, 3])
+    apply_bitmask(actual, bitmask, [0, 2, 3])
+    assert torch.equal(actual, expected) and torch.equal(actual[1], logits[1])
