@@ -56,7 +56,7 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputsField(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of its fields."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -90,7 +90,7 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
+    structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
