@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json as _json  # the constraint's argument is named json, as vLLM names it
 import math
 from dataclasses import dataclass, field
@@ -101,7 +102,6 @@ class SamplingParams:
     logprobs: int | None = None  # report the chosen token's log-probability and this many top ones
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     detokenize: bool = True  # False: tokens only, no text (as vLLM's option; no stop strings then)
-    max_tokens: int | None = None
     structured_outputs: Constraint | None = None
 
     def uses_engine_extras(self) -> bool:
@@ -111,11 +111,8 @@ class SamplingParams:
                 or self.structured_outputs is not None)
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_new_tokens is not None and self.max_tokens != self.max_new_tokens:
-            raise ValueError(f"max_tokens ({self.max_tokens!r}) and max_new_tokens ({self.max_new_tokens!r}) name "
-                             "one limit: give one of them")
-        limit = next((v for v in (self.max_tokens, self.max_new_tokens) if v is not None), DEFAULT_MAX_TOKENS)
-        self.max_new_tokens = self.max_tokens = limit
+        if self.max_new_tokens is None:
+            self.max_new_tokens = DEFAULT_MAX_TOKENS
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, Constraint):
             raise ValueError("structured_outputs must be a Constraint (Constraint.of(json=..., regex=..., ...))")
         if isinstance(self.stop, str):
@@ -153,10 +150,33 @@ class SamplingParams:
             raise ValueError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]")
         # NumPy scalars pass the checks above; store plain Python numbers.
         self.max_new_tokens, self.top_k = int(self.max_new_tokens), int(self.top_k)
-        self.max_tokens = self.max_new_tokens
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# vLLM's name for the limit: an argument of the constructor and a read-only alias, not a field of
+# its own, so that dataclasses.replace(params, max_new_tokens=...) changes the one limit.
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: SamplingParams, *args: Any, max_tokens: int | None = None, **kwargs: Any) -> None:
+    if max_tokens is not None:
+        given = kwargs.get("max_new_tokens", args[0] if args else None)
+        if given is not None and given != max_tokens:
+            raise ValueError(f"max_tokens ({max_tokens!r}) and max_new_tokens ({given!r}) name one limit: "
+                             "give one of them")
+        if args:
+            args = (max_tokens, *args[1:])
+        else:
+            kwargs["max_new_tokens"] = max_tokens
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,  # type: ignore[attr-defined]
+                                     doc="The output token limit, by vLLM's name (max_new_tokens).")

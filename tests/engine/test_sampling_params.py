@@ -60,3 +60,10 @@ def test_max_tokens_and_max_new_tokens_are_one_limit():
         SamplingParams(max_tokens=5, max_new_tokens=6)
     with pytest.raises(ValueError, match="positive integer"):
         SamplingParams(max_tokens=0)
+
+
+def test_replace_changes_the_one_limit():
+    import dataclasses
+
+    params = dataclasses.replace(SamplingParams(max_tokens=10), max_new_tokens=11)
+    assert params.max_tokens == params.max_new_tokens == 11
