@@ -118,3 +118,15 @@ def test_the_bitmask_twin_matches_xgrammars_own_kernel():
     xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab_size, indices=[0, 2, 3])
     apply_bitmask(actual, bitmask, [0, 2, 3])
     assert torch.equal(actual, expected) and torch.equal(actual[1], logits[1])
+
+
+def test_a_preempted_constrained_request_keeps_its_grammar_state(loaded):
+    # A pool too small for every request at once: the newest are preempted and recomputed, and
+    # their matchers (which saw their tokens once) still follow the same output as a roomy pool's.
+    prompts = [f"item {i}:" for i in range(4)]
+    params = [SamplingParams(max_tokens=40, structured_outputs=Constraint.of(regex=r"[a-z]{30,40}"))] * 4
+    roomy = _run(_engine(loaded), prompts, params)
+    small = LLMEngine(loaded, EngineConfig(num_blocks=24, block_size=4, max_model_len=64))
+    assert _run(small, prompts, params) == roomy
+    assert small.scheduler.num_preemptions > 0
+    assert all(finish in {"stop", "length"} and 30 <= len(text) <= 40 for text, finish in roomy)
