@@ -113,8 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Ray: a JSON file of Ray Serve's autoscaling_config (min_replicas, max_replicas, "
                           "target_ongoing_requests, ...), replacing --replicas")
     srv.add_argument("--router", choices=["pow2", "round-robin", "prefix"], default="pow2",
-                     help="Ray: how requests pick a replica: power of two choices (Ray Serve's default), round "
-                          "robin, or prefix (the replica whose prefix cache most likely holds the prompt)")
+                     help="Ray: how a request picks its replica (prefix: where its prompt is likely cached)")
     srv.add_argument("--stream-interval", type=_positive_int, default=1,
                      help="Ray: engine steps a replica gathers before sending a request's tokens on; the first "
                           "and last go at once (default 1)")
@@ -274,8 +273,6 @@ def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
     """``fastdraft serve --backend ray``: start (or join) a Ray cluster, run the replicas and
     the ingress on it, and serve until SIGTERM or SIGINT, which drain open streams."""
     import json
-    import signal
-    import threading
     from pathlib import Path
 
     from fastdraft.server.ray_app import RayServeConfig, run_on_ray
@@ -290,10 +287,7 @@ def _serve_on_ray(args: argparse.Namespace, load_engine, config) -> None:
                                 max_ongoing_requests=args.max_num_seqs, autoscaling=autoscaling,
                                 graceful_shutdown_timeout_s=args.graceful_timeout,
                                 stream_interval=args.stream_interval, router=args.router)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    run_on_ray(load_engine, config, ray_config, args.host, args.port, args.address, stop)
+    run_on_ray(load_engine, config, ray_config, args.host, args.port, args.address)
 
 
 def _cmd_quantize(args: argparse.Namespace) -> None:

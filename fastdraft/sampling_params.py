@@ -78,7 +78,6 @@ class Constraint:
         return _CONSTRAINT_KINDS[self.kind]
 
 
-
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy decoding.

@@ -147,7 +147,6 @@ class LLMEngine:
         # Constrained requests: made on the first one; its sequences wait here until compiled.
         self.structured: StructuredOutputs | None = None
         self._compiling: list[Sequence] = []
-        self._eos_token_ids = sorted(eos_token_ids)
         self._ids = itertools.count()
 
     @property
@@ -178,7 +177,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:  # joins the scheduler when its grammar is compiled (off the step loop)
             if self.structured is None:
-                self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self._eos_token_ids)
+                self.structured = StructuredOutputs(self.tokenizer, self.vocab_size,
+                                                    sorted(self.scheduler.eos_token_ids))
                 self.runner.structured = self.structured
             self.structured.submit(params.structured_outputs)
             self.scheduler.check_fits(seq)

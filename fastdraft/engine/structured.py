@@ -15,6 +15,7 @@ checked against the grammar, and the rejection sampler draws from rows the mask 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,9 +57,11 @@ def _regex_literal(text: str) -> str:
     return "".join(f"\\{c}" if c in r"\.^$|?*+()[]{}/" else c for c in text)
 
 
+@functools.lru_cache(maxsize=1024)
 def check_constraint(constraint: Constraint) -> None:
     """``ValueError`` naming what is wrong with ``constraint`` (an invalid JSON schema, regex or
-    grammar); parsing only, without a tokenizer."""
+    grammar); parsing only, without a tokenizer. A constraint that passed is not parsed again
+    (the server checks every request, and the engine again)."""
     try:
         _grammar(constraint)
     except (RuntimeError, ValueError, TypeError) as e:
@@ -144,7 +147,7 @@ class StructuredOutputs:
             apply_bitmask(logits, bitmask, rows)
         else:
             self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                            indices=rows)
+                                                  indices=rows)
 
     def accept(self, seq: Sequence, token_ids: list[int]) -> bool:
         """Advance ``seq``'s matcher over its new tokens; True once its grammar is complete."""
@@ -159,6 +162,3 @@ class StructuredOutputs:
 
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.seq_id, None)
-
-    def close(self) -> None:
-        self._compiles.shutdown(wait=False, cancel_futures=True)

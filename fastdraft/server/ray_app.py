@@ -391,17 +391,17 @@ def build_app(args: dict[str, Any]):
 
 
 def run_on_ray(load_engine: Callable[[], LLMEngine], server: ServerConfig, ray_config: RayServeConfig, host: str,
-               port: int, address: str | None, stop: threading.Event, app_name: str = "fastdraft") -> None:
+               port: int, address: str | None, app_name: str = "fastdraft") -> None:
     """Start a Ray cluster of its own (``address`` None) or join one, serve the application on
-    ``host:port`` until ``stop`` is set, then delete it (open streams drain). Serve itself is
-    shut down only on a cluster this call started: a joined cluster's other applications stay."""
+    ``host:port`` until SIGTERM or SIGINT, then delete it (open streams drain). Serve itself is
+    shut down only on a cluster this call started: a joined cluster's other applications stay.
+    Call it from the main thread, which receives the signals."""
     is_own_cluster = address is None
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     # "local" starts a new cluster even where another one runs on this machine.
     ray.init(address="local" if is_own_cluster else address, include_dashboard=False, configure_logging=False)
-    if threading.current_thread() is threading.main_thread():
-        for sig, handler in handlers.items():  # ray.init makes SIGTERM exit at once, cutting open streams
-            signal.signal(sig, handler)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose SIGTERM handler exits at once
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(application(load_engine, server, ray_config), name=app_name, route_prefix="/")

@@ -89,7 +89,6 @@ class PrefixAwareRouter(RequestRouter):
         self._default_num_blocks = default_num_blocks
         self._held: dict[ReplicaID, OrderedDict[bytes, None]] = {}  # replica -> block hashes, least recent first
         self._hashes: dict[str, list[bytes]] = {}  # pending request id -> its prompt's block hashes
-        self.num_routed = {"prefix": 0, "least_loaded": 0, "pow2": 0}  # how each request was placed
 
     def _replicas_block_size(self) -> int:
         for replica in self.curr_replicas.values():
@@ -130,25 +129,20 @@ class PrefixAwareRouter(RequestRouter):
         loads = {r.replica_id: self._load(r) for r in candidate_replicas}
         by_load = sorted(candidate_replicas, key=lambda r: (loads[r.replica_id], random.random()))
         if len(candidate_replicas) > 1 and self._is_imbalanced(list(loads.values())):
-            self.num_routed["pow2"] += 1
             return [sorted(random.sample(candidate_replicas, 2), key=lambda r: loads[r.replica_id])]
         matched = {r.replica_id: self._num_matched(r, hashes) for r in candidate_replicas}
         best = max(matched.values())
         if hashes and best >= max(1, self._min_match * len(hashes)):
-            self.num_routed["prefix"] += 1
             first = [r for r in by_load if matched[r.replica_id] == best]
         else:
-            self.num_routed["least_loaded"] += 1
             least = loads[by_load[0].replica_id]
             first = sorted((r for r in by_load if loads[r.replica_id] == least),
                            key=lambda r: len(self._held.get(r.replica_id, ())))[:1]
         return [first, [r for r in by_load if r not in first]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
-        if hashes is None:
-            hashes = self._prompt_hashes(pending_request)
-            self._hashes.pop(pending_request.metadata.internal_request_id, None)
+        hashes = self._prompt_hashes(pending_request)
+        self._hashes.pop(pending_request.metadata.internal_request_id, None)  # routed: no longer pending
         held = self._held.setdefault(replica_id, OrderedDict())
         for h in hashes:
             held[h] = None
