@@ -1,5 +1,5 @@
 """Structured output: validity of the model's constrained JSON, what a constraint costs the
-first token, and xgrammar against llguidance on the same schemas.
+first token, and llguidance (the engine's) against xgrammar on the same schemas.
 
 * **validity**: each of 20 schemas (nested objects, arrays, enums, ``required``, bounded
   numbers, patterned strings), greedy and at T = 0.8, ``max_tokens`` 512, all in one batch:
@@ -7,7 +7,8 @@ first token, and xgrammar against llguidance on the same schemas.
 * **first token**: TTFT of a lone request, unconstrained, with a schema never seen, and with a
   schema already compiled, interleaved over the schemas (medians, and the differences);
 * **libraries**: per schema, compile time and the time to fill one step's token mask, walked
-  along the model's valid output, for xgrammar and for llguidance (when installed).
+  along the model's valid output, for llguidance and for xgrammar (when installed: the
+  ``bench`` extra).
 
     python benchmarks/bench_structured.py --json bench_results/structured.json
 """
@@ -167,63 +168,64 @@ def _ttft(engine: LLMEngine) -> dict:
 
 
 def _libraries(engine: LLMEngine, texts: list[str]) -> dict:
-    """Compile time and per-step mask time of xgrammar and llguidance on each schema, walked along
-    ``texts`` (valid outputs, one per schema)."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_object=engine.tokenizer.backend)
+    """Compile time and per-step mask time of llguidance and xgrammar on each schema, walked along
+    ``texts`` (valid outputs, one per schema). Each library's tokenizer view is built first, and
+    each is warmed on a grammar of its own, so that only the schemas' own work is timed."""
     vocab_size = engine.vocab_size
     stop_ids = sorted(engine.scheduler.eos_token_ids)
     out: dict = {}
 
-    import xgrammar as xgr
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+    import llguidance
+    import llguidance.torch
+    tokenizer = llguidance.LLTokenizer(engine.tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=stop_ids)
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     compile_s, mask_s = [], []
-    # One compiler, as an engine keeps it (its cache off: every schema compiles), warmed on a
-    # grammar of its own first, as llguidance's tokenizer is built before its timings.
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    compiler.compile_json_schema({"type": "object"})
     for (_, schema), text in zip(SCHEMAS, texts):
         start = time.perf_counter()
-        compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(
+            schema, overrides=options))
         compile_s.append(time.perf_counter() - start)
-        matcher = xgr.GrammarMatcher(compiled)
-        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         for token in engine.tokenizer.encode(text, add_special_tokens=False):
             start = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask)
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
             mask_s.append(time.perf_counter() - start)
-            if not matcher.accept_token(token):
+            if not matcher.consume_token(token):
                 break
-    out["xgrammar"] = {"compile_ms_p50": statistics.median(compile_s) * 1e3, "compile_ms_max": max(compile_s) * 1e3,
-                       "mask_us_p50": statistics.median(mask_s) * 1e6, "mask_us_p99": _p99(mask_s) * 1e6}
+    out["llguidance"] = _summary(compile_s, mask_s)
     try:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
     except ImportError:
-        out["llguidance"] = "not installed"
+        out["xgrammar"] = "not installed"
     else:
-        tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=stop_ids[0] if stop_ids else None)
+        hf = PreTrainedTokenizerFast(tokenizer_object=engine.tokenizer.backend)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        # One compiler, as an engine would keep it, its cache off: every schema compiles.
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiler.compile_json_schema({"type": "object"})
         compile_s, mask_s = [], []
         for (_, schema), text in zip(SCHEMAS, texts):
             start = time.perf_counter()
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-            matcher = llguidance.LLMatcher(tokenizer, grammar)
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
             compile_s.append(time.perf_counter() - start)
-            bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+            matcher = xgr.GrammarMatcher(compiled)
+            bitmask = xgr.allocate_token_bitmask(1, vocab_size)
             for token in engine.tokenizer.encode(text, add_special_tokens=False):
                 start = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+                matcher.fill_next_token_bitmask(bitmask)
                 mask_s.append(time.perf_counter() - start)
-                if not matcher.consume_token(token):
+                if not matcher.accept_token(token):
                     break
-        out["llguidance"] = {"compile_ms_p50": statistics.median(compile_s) * 1e3,
-                             "compile_ms_max": max(compile_s) * 1e3,
-                             "mask_us_p50": statistics.median(mask_s) * 1e6, "mask_us_p99": _p99(mask_s) * 1e6}
+        out["xgrammar"] = _summary(compile_s, mask_s)
     print(f"libraries: {json.dumps(out)}", flush=True)
     return out
+
+
+def _summary(compile_s: list[float], mask_s: list[float]) -> dict:
+    return {"compile_ms_p50": statistics.median(compile_s) * 1e3, "compile_ms_max": max(compile_s) * 1e3,
+            "mask_us_p50": statistics.median(mask_s) * 1e6, "mask_us_p99": _p99(mask_s) * 1e6}
 
 
 def _p99(values: list[float]) -> float:

@@ -144,8 +144,10 @@ class LLMEngine:
             self.speculator = speculation(loaded, self.runner, self.config.max_num_seqs)
         self._requests: dict[str, _Request] = {}
         self._streams: dict[str, deque[RequestDelta]] = {}  # deltas waiting for outputs()'s reader
-        # Constrained requests: made on the first one; its sequences wait here until compiled.
-        self.structured: StructuredOutputs | None = None
+        # Constrained requests wait in _compiling until their grammars are compiled; the
+        # tokenizer's grammar view starts building now, off this thread.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(eos_token_ids))
+        self.runner.structured = self.structured
         self._compiling: list[Sequence] = []
         self._ids = itertools.count()
 
@@ -176,10 +178,6 @@ class LLMEngine:
         if params.structured_outputs is None:
             self.scheduler.add(seq)
         else:  # joins the scheduler when its grammar is compiled (off the step loop)
-            if self.structured is None:
-                self.structured = StructuredOutputs(self.tokenizer, self.vocab_size,
-                                                    sorted(self.scheduler.eos_token_ids))
-                self.runner.structured = self.structured
             self.structured.submit(params.structured_outputs)
             self.scheduler.check_fits(seq)
             self._compiling.append(seq)
@@ -207,8 +205,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.runner.release(seq)
-        if self.structured is not None:
-            self.structured.release(seq)
+        self.structured.release(seq)
         if self.speculator is not None:
             self.speculator.policy.release(seq)
             self.speculator.proposer.release(seq)
@@ -246,7 +243,7 @@ class LLMEngine:
         plain = self._speculate(output) if self.speculator is not None else set()
         sampled = self.runner.execute(output)
         self.scheduler.update(output, sampled)
-        if self.structured is not None:
+        if self.structured.is_active:
             for seq in output.seqs:
                 # A grammar completed without its stop token (ignore_eos) ends the request here.
                 if seq.seq_id in sampled and self.structured.accept(seq, sampled[seq.seq_id]) \

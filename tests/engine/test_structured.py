@@ -106,17 +106,20 @@ def test_a_constraint_is_exactly_one_thing():
         Constraint.of(json="{not json")
 
 
-def test_the_bitmask_twin_matches_xgrammars_own_kernel():
+def test_the_bitmask_kernel_matches_a_token_by_token_reference():
     import torch
-    import xgrammar as xgr
 
     generator = torch.Generator().manual_seed(0)
-    vocab_size = 1000
+    vocab_size = 1000  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(5, vocab_size, generator=generator)  # [num_rows, vocab_size]
     bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-vocab_size // 32)), dtype=torch.int32, generator=generator)
+    rows = [0, 2, 3]
     expected, actual = logits.clone(), logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab_size, indices=[0, 2, 3])
-    apply_bitmask(actual, bitmask, [0, 2, 3])
+    for row in rows:
+        for token in range(vocab_size):
+            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    apply_bitmask(actual, bitmask, rows)
     assert torch.equal(actual, expected) and torch.equal(actual[1], logits[1])
 
 
@@ -130,3 +133,36 @@ def test_a_preempted_constrained_request_keeps_its_grammar_state(loaded):
     assert _run(small, prompts, params) == roomy
     assert small.scheduler.num_preemptions > 0
     assert all(finish in {"stop", "length"} and 30 <= len(text) <= 40 for text, finish in roomy)
+
+
+def test_a_lark_grammar_is_read_as_well_as_gbnf(loaded):
+    (text, finish), = _run(_engine(loaded), ["x"], [SamplingParams(max_tokens=10, structured_outputs=Constraint.of(
+        grammar='start: "ab" | "cd" NUM\nNUM: /[0-9]/'))])
+    assert re.fullmatch(r"ab|cd[0-9]", text) and finish == "stop"
+
+
+def test_the_tokenizers_grammar_view_is_built_at_start_up(loaded):
+    engine = _engine(loaded)  # no constrained request yet
+    assert engine.structured._tokenizer.result(timeout=60).vocab_size == engine.vocab_size
+
+
+def test_a_schema_closes_the_objects_it_leaves_open_and_nothing_else():
+    from fastdraft.engine.structured import _closed
+
+    item = {"type": "object", "properties": {"properties": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item},
+                                               "pair": {"type": "array", "prefixItems": [{"type": "integer"}]},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True}},
+              "$defs": {"d": {"type": "object", "properties": {"x": {"const": {"properties": {}}}}}},
+              "default": {"properties": {}}}
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["items"]["items"] == {**item, "additionalProperties": False}
+    assert "additionalProperties" not in closed["properties"]["items"]["items"]["properties"]  # a member's name
+    assert closed["properties"]["pair"]["items"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["properties"]["x"] == {"const": {"properties": {}}}  # data, left as it is
+    assert closed["default"] == {"properties": {}} and "$defs" not in closed["properties"]
+    assert _closed({"type": "object"}) == {"type": "object"}  # any object: JSON mode
