@@ -33,7 +33,8 @@ _CONSTRAINT_KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex
 class Constraint:
     """What a request's output must follow: ``kind`` is ``json`` (``value``: a JSON schema),
     ``json_object`` (any JSON object), ``regex``, ``choice`` (``value``: a JSON list of the
-    strings) or ``grammar`` (EBNF as xgrammar reads it: GBNF's syntax, ``root`` the start rule).
+    strings) or ``grammar`` (GBNF, llama.cpp's syntax with ``root`` the start rule, or Lark as
+    llguidance reads it, with ``start``).
     Hashable by content, so that each distinct constraint compiles once. Build one with
     :meth:`of`."""
 
