@@ -128,7 +128,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._compiled: dict[Constraint, Future] = {}  # by content: each distinct constraint once
         self._matchers: dict[int, llguidance.LLMatcher] = {}  # seq_id -> its matcher, once compiled
-        self._executor = llguidance.LLExecutor()  # fills a step's masks in parallel, in Rust
+        self._executor: llguidance.LLExecutor | None = None  # fills a step's masks in parallel; made on first use
         self._compiles = ThreadPoolExecutor(1, thread_name_prefix="fastdraft-grammar")
         self._tokenizer = self._compiles.submit(self._build_tokenizer, tokenizer, vocab_size, stop_token_ids)
 
@@ -178,6 +178,8 @@ class StructuredOutputs:
         each index ``i`` in ``rows``): one batched bitmask fill, one masked write."""
         # logits: [num_rows, vocab_size]; bitmask rows match the logits' rows, only ``rows`` filled
         bitmask = torch.full((logits.shape[0], -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
         self._executor.unsafe_compute_mask_ptr([(self._matchers[seqs[i].seq_id], i) for i in rows],
                                                bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
         apply_bitmask(logits, bitmask, rows)
