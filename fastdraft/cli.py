@@ -144,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --auto: GPTQ's Hessian dampening, a fraction of its mean diagonal")
     quant.add_argument("--calib-seq-len", type=int, default=512, help="with --auto: tokens per calibration window")
     quant.add_argument("--report-dir", help="where --auto writes report.md/.json/.png (default: OUTPUT/report)")
+    mine = quant.add_argument_group("your text (with --auto; the built-in sets by default)")
+    mine.add_argument("--text", action="append", metavar="FILE",
+                      help="UTF-8 text to split into calibration, selection and test parts (repeatable)")
+    mine.add_argument("--text-dir", action="append", metavar="DIR", help="every file under this folder (repeatable)")
+    for part in ("calib", "select", "test"):
+        mine.add_argument(f"--{part}-text", action="append", metavar="PATH",
+                          help=f"a file or folder for the {part.replace('select', 'selection')} part alone "
+                               "(repeatable; instead of --text)")
+    mine.add_argument("--mix-builtin", action="store_true",
+                      help="keep the built-in sets beside your text; a candidate must meet the target on both")
+    mine.add_argument("--split-seed", type=int, default=0, help="the seed that deals your text out to the parts")
     quant.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
 
     ev = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against the unquantized model")
@@ -298,6 +309,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
     from fastdraft.quant.checkpoint import save_quantized
     from fastdraft.quant.quant_config import parse_quant_spec
 
+    texts = _quant_texts(args) if args.auto else None  # bad text fails before anything is written
     if args.output:  # fail now, not after minutes of quantization
         check_output_path(args.output, is_dir=True)
     if args.auto:
@@ -317,7 +329,7 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         timer = DecodeStepTimer(space.num_decode_tokens)
         logging.getLogger("fastdraft.quant.auto").setLevel(logging.INFO)  # a line per candidate, as it is tried
         result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
-                                           gguf_path=_gguf_or_none(args.model))
+                                           gguf_path=_gguf_or_none(args.model), texts=texts)
         print(write_report(result, space, report_dir))
         print(f"report written to {report_dir}/report.md, report.json, report.png")
         if best_model is None:
@@ -328,10 +340,44 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
         return
     if not args.output:
         raise CLIError("--output is required (or use --auto to only search)")
+    if args.text or args.text_dir or args.calib_text or args.select_text or args.test_text or args.mix_builtin:
+        raise CLIError("--text, --text-dir, --calib-text, --select-text, --test-text and --mix-builtin need --auto")
     config = parse_quant_spec(args.quant)
     loaded = _quantized(args.model, config, args.dtype)
     save_quantized(loaded.model, args.output, loaded.model_dir)
     print(f"saved {config.label} to {args.output}")
+
+
+def _quant_texts(args: argparse.Namespace):
+    """The text sets of ``quantize --auto``: the built-in ones, or the user's text split into
+    calibration, selection and test parts (with the model's tokenizer, before the model loads)."""
+    from pathlib import Path
+
+    from fastdraft.model_config import ModelConfig
+    from fastdraft.models.files import resolve_model_dir
+    from fastdraft.quant.auto import AutoSearchSpace
+    from fastdraft.quant.data import QuantTexts, given_texts, read_text_files, split_texts
+    from fastdraft.tokenizer import Tokenizer
+
+    def read(paths: list[str] | None):
+        if not paths:
+            return None
+        return read_text_files([p for p in paths if not Path(p).is_dir()], [p for p in paths if Path(p).is_dir()])
+
+    whole = read_text_files(args.text or [], args.text_dir or []) if args.text or args.text_dir else None
+    parts = [read(args.calib_text), read(args.select_text), read(args.test_text)]
+    if whole is not None and any(p is not None for p in parts):
+        raise CLIError("give --text/--text-dir (split for you) or --calib-text/--select-text/--test-text, not both")
+    if whole is None and all(p is None for p in parts):
+        if args.mix_builtin:
+            raise CLIError("--mix-builtin needs your text (--text, --text-dir or --*-text)")
+        return QuantTexts()
+    model_dir = resolve_model_dir(args.model)
+    seq_len = min(AutoSearchSpace.eval_seq_len, ModelConfig.from_file(model_dir / "config.json").max_position_embeddings)
+    tokenizer = Tokenizer(model_dir)
+    if whole is not None:
+        return split_texts(tokenizer, whole, seq_len, args.split_seed, args.mix_builtin)
+    return given_texts(tokenizer, *parts, seq_len, args.mix_builtin)
 
 
 def _gguf_or_none(model: str):

@@ -31,7 +31,7 @@ from fastdraft.formats import PER_CHANNEL
 from fastdraft.models.llama import LlamaForCausalLM
 from fastdraft.models.files import LoadedModel, build_model, load_state_dict
 from fastdraft.quant.quant_config import LAYER_LINEARS, METHODS, QuantConfig, parse_quant_spec
-from fastdraft.quant.data import SELECTION, TEST, TextSet, calibration_samples
+from fastdraft.quant.data import USER_DOMAIN, QuantTexts, calibration_samples
 from fastdraft.quant.evaluate import (CONFIDENCE, EvalResult, EvalWindows, compare, evaluate, format_interval,
                                       score_reference)
 from fastdraft.quant.gguf_native import apply_gguf_native
@@ -132,6 +132,8 @@ class AutoResult:
     int8_gains: list[Int8Gain] = field(default_factory=list)  # the ranking, when the walk reached it
     test: EvalResult | None = None  # the choice on the test set, scored once
     max_loss: float = 0.01
+    texts: dict[str, str] = field(default_factory=dict)  # what each part held: calibration, selection, test
+    texts_how: str = ""
 
     @property
     def is_test_passed(self) -> bool:
@@ -181,13 +183,14 @@ class _Walk:
     """One search: the reference's selection scores, and each candidate tried against them."""
 
     def __init__(self, loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, windows: EvalWindows,
-                 show_progress: bool, report_dir: Path | None, gguf_path: Path | None) -> None:
-        self.loaded, self.space, self.timer, self.windows = loaded, space, timer, windows
+                 texts: QuantTexts, show_progress: bool, report_dir: Path | None, gguf_path: Path | None) -> None:
+        self.loaded, self.space, self.timer, self.windows, self.texts = loaded, space, timer, windows, texts
         self.show_progress, self.report_dir, self.gguf_path = show_progress, report_dir, gguf_path
         self.reference = loaded.model
         self.ref_scores = score_reference(self.reference, windows, show_progress)
         self.result = AutoResult(reference=self.ref_scores.result, reference_decode_ms=timer.time(self.reference),
-                                 reference_weight_bytes=self.reference.decode_weight_bytes(), max_loss=space.max_loss)
+                                 reference_weight_bytes=self.reference.decode_weight_bytes(), max_loss=space.max_loss,
+                                 texts=texts.describe(), texts_how=texts.how)
         self.state = load_state_dict(loaded.model_dir)
         self.calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each calibration set, drawn once
 
@@ -202,7 +205,8 @@ class _Walk:
         if config.needs_calibration:
             key = (config.num_calib_samples, config.calib_seq_len, config.seed)
             if key not in self.calib:
-                self.calib[key] = calibration_samples(self.loaded.tokenizer, *key)
+                self.calib[key] = calibration_samples(self.loaded.tokenizer, *key, user_texts=self.texts.calibration,
+                                                      user_fraction=0.5 if self.texts.is_calibration_mixed else 1.0)
             samples = self.calib[key]
         return quantize_model(model, config, samples, self.show_progress)
 
@@ -213,7 +217,7 @@ class _Walk:
         ev = evaluate(model, self.windows, self.ref_scores, label=config.label, show_progress=self.show_progress)
         cand = Candidate(config, step, ev, self.timer.time(model), model.decode_weight_bytes(),
                          time.perf_counter() - start)
-        cand.is_within_target = ev.loss_interval[1] <= self.space.max_loss
+        cand.is_within_target = self.is_within_target(ev)
         self.result.candidates.append(cand)
         logger.info("%s (%s): selection loss %+.2f%% %s, %.0f MB, decode %.1f ms/token, %.0f s%s", config.label, step,
                     ev.ppl_loss * 100, format_interval(ev.loss_interval), cand.weight_bytes / 1e6, cand.decode_ms,
@@ -221,6 +225,14 @@ class _Walk:
         if self.report_dir is not None:
             write_report(self.result, self.space, self.report_dir)
         return cand, model
+
+    def is_within_target(self, ev: EvalResult) -> bool:
+        """The upper end of the selection interval within the target; with the user's text
+        beside the built-in domains, on that text alone as well, so that the mix cannot hide a
+        loss on it."""
+        if ev.loss_interval[1] > self.space.max_loss:
+            return False
+        return not self.texts.is_mixed or ev.loss_interval_per_domain[USER_DOMAIN][1] <= self.space.max_loss
 
     def first_within(self, configs: list[QuantConfig], step: str | None = None
                      ) -> tuple[Candidate, LlamaForCausalLM] | None:
@@ -276,17 +288,19 @@ class _Walk:
 
 
 def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, show_progress: bool = True,
-                  report_dir: Path | None = None, gguf_path: Path | None = None, selection: TextSet = SELECTION,
-                  test: TextSet = TEST) -> tuple[AutoResult, LlamaForCausalLM | None]:
-    """Walk the search space on ``selection``; return the result and the chosen model (or None).
+                  report_dir: Path | None = None, gguf_path: Path | None = None,
+                  texts: QuantTexts = QuantTexts()) -> tuple[AutoResult, LlamaForCausalLM | None]:
+    """Walk the search space on ``texts.selection``; return the result and the chosen model (or
+    None).
 
-    The choice is scored once on ``test`` afterwards (``result.test``). ``timer`` times each
+    The choice is scored once on ``texts.test`` afterwards (``result.test``); GPTQ and AWQ
+    calibrate on ``texts``' calibration part. ``timer`` times each
     candidate's decoding. With ``report_dir`` the report is rewritten after every candidate,
     so an interrupted search keeps what it measured. With ``gguf_path``, the GGUF file the
     model was converted from, the file's own blocks are one more candidate."""
     seq_len = min(space.eval_seq_len, loaded.config.max_position_embeddings)
-    walk = _Walk(loaded, space, timer, EvalWindows.for_set(loaded.tokenizer, selection, seq_len), show_progress,
-                 report_dir, gguf_path)
+    walk = _Walk(loaded, space, timer, EvalWindows.for_set(loaded.tokenizer, texts.selection, seq_len), texts,
+                 show_progress, report_dir, gguf_path)
     found = walk.run()
     result = walk.result
     if found is None:
@@ -298,7 +312,7 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTime
                                                                                    space.num_timing_rounds)
         result.best.is_retimed = True
     # Scored once, after the choice is final: nothing below feeds back into the walk.
-    test_windows = EvalWindows.for_set(loaded.tokenizer, test, seq_len)
+    test_windows = EvalWindows.for_set(loaded.tokenizer, texts.test, seq_len)
     result.test = compare(loaded.model, model, test_windows, label=result.best.config.label,
                           show_progress=show_progress)[1]
     logger.info("test set: loss %+.2f%% %s (%s)", result.test.ppl_loss * 100, format_interval(result.test.loss_interval),
@@ -310,10 +324,18 @@ def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTime
 
 def report_markdown(result: AutoResult, space: AutoSearchSpace) -> str:
     ci = f"{CONFIDENCE:.0%} interval"
-    lines = [f"Reference: perplexity {result.reference.ppl:.4f} over {result.reference.num_tokens} selection tokens; "
+    lines = []
+    if result.texts:
+        lines += [f"Text: {result.texts_how}.", "", "| part | what it holds |", "|---|---|"]
+        lines += [f"| {part} | {held} |" for part, held in result.texts.items()]
+        lines.append("")
+    per_domain = ", ".join(f"{d} {n}" for d, n in result.reference.num_tokens_per_domain.items())
+    lines += [f"Reference: perplexity {result.reference.ppl:.4f} over {result.reference.num_tokens} selection tokens "
+             f"({per_domain}); "
              f"decode {result.reference_decode_ms:.1f} ms/token; weights {result.reference_weight_bytes / 1e6:.0f} MB. "
              f"Target: perplexity loss <= {space.max_loss * 100:.2f}%, judged by the upper end of the selection "
-             "interval.", "",
+             "interval" + (" (overall, and on your text alone)" if USER_DOMAIN in result.reference.num_tokens_per_domain
+                           and len(result.reference.num_tokens_per_domain) > 1 else "") + ".", "",
              f"| step | config | selection loss | {ci} | mean KL | top-1 agree | weights MB | decode ms/tok | "
              "speedup | search s | within target |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -407,6 +429,9 @@ def write_report(result: AutoResult, space: AutoSearchSpace, report_dir: Path) -
         "test": None if result.test is None else result.test.to_dict(),
         "is_test_passed": result.is_test_passed,
         "int8_gains": [g.to_dict() for g in result.int8_gains],
+        "texts": {"how": result.texts_how, **result.texts,
+                  "selection_tokens_per_domain": result.reference.num_tokens_per_domain,
+                  "test_tokens_per_domain": None if result.test is None else result.test.num_tokens_per_domain},
     }
     write_json(report_dir / "report.json", payload)
     plot(result, report_dir / "report.png")

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.llama import LlamaForCausalLM
-from fastdraft.quant.data import EvalText, TextSet
+from fastdraft.quant.data import EvalText, GivenTexts, TextSet
 from fastdraft.tokenizer import Tokenizer
 
 # The reference's distribution is kept as its top tokens plus one bucket for the rest, so memory
@@ -166,9 +166,11 @@ class EvalWindows:
         return cls(windows)
 
     @classmethod
-    def for_set(cls, tokenizer: Tokenizer, text_set: TextSet, seq_len: int = 512) -> "EvalWindows":
-        """The windows of one of the built-in held-out sets (``data.SELECTION``, ``data.TEST``)."""
-        return cls.build(tokenizer, text_set.texts(), seq_len, max_tokens_per_text=text_set.max_tokens_per_text)
+    def for_set(cls, tokenizer: Tokenizer, text_set: TextSet | GivenTexts, seq_len: int = 512) -> "EvalWindows":
+        """The windows of a held-out set: a built-in one (``data.SELECTION``, ``data.TEST``), or
+        a part of the user's text (with the built-in set beside it, if mixed)."""
+        return cls([w for texts, cap in text_set.scored()
+                    for w in cls.build(tokenizer, texts, seq_len, max_tokens_per_text=cap).windows])
 
     def head(self, num_windows: int) -> list[int]:
         """Indices of the first ``num_windows`` windows of each domain: a quick subset for ranking."""

@@ -13,8 +13,8 @@ from fastdraft.quant import auto
 from fastdraft.quant.auto import (AutoResult, AutoSearchSpace, Candidate, auto_quantize, estimate_weight_bytes,
                                   report_markdown)
 from fastdraft.quant.quant_config import QuantConfig
-from fastdraft.quant.data import (SELECTION, SELECTION_CODE_FILES, TEST, TEST_CODE_FILES, EvalText, TextSet,
-                                  calibration_code_files, calibration_samples, prose_files, stdlib_root)
+from fastdraft.quant.data import (SELECTION, SELECTION_CODE_FILES, TEST, TEST_CODE_FILES, EvalText, QuantTexts,
+                                  TextSet, calibration_code_files, calibration_samples, prose_files, stdlib_root)
 from fastdraft.quant.evaluate import (EvalResult, EvalWindows, WindowScore, evaluate, full_kl,
                                       loss_interval, score_reference, topk_kl)
 from fastdraft.quant.quantizer import quantize_model
@@ -189,7 +189,7 @@ def test_walk_goes_from_fewest_bytes_to_most_and_stops_at_the_first_within_targe
     with monkeypatch.context() as patch:
         patch.setattr(auto, "evaluate", _losing)
         result, model = auto_quantize(loaded, space, timer(space), show_progress=False,
-                                      report_dir=tmp_path / "none", selection=selection, test=test)
+                                      report_dir=tmp_path / "none", texts=QuantTexts(selection, test))
     assert model is None and result.best is None and result.test is None and not test.reads
     steps = [c.step for c in result.candidates]
     assert steps[:2] == ["INT4 group size"] * 2
@@ -205,7 +205,7 @@ def test_walk_goes_from_fewest_bytes_to_most_and_stops_at_the_first_within_targe
     # A loose target: the first (cheapest) candidate is chosen, then scored once on the test set.
     space = _space(max_loss=0.9, num_timing_rounds=2)
     result, model = auto_quantize(loaded, space, timer(space), show_progress=False,
-                                  report_dir=tmp_path / "chosen", selection=selection, test=test)
+                                  report_dir=tmp_path / "chosen", texts=QuantTexts(selection, test))
     assert [c.config.label for c in result.candidates] == ["rtn-int4-pc-asymf"]
     assert result.best is result.candidates[0] and result.best.is_within_target and result.best.is_retimed
     assert result.best.eval.loss_interval[1] <= space.max_loss
@@ -235,7 +235,7 @@ def test_the_walk_never_reads_the_test_set(tiny_models):
                 return super().time(model)
 
         result, _ = auto_quantize(loaded, space, Spy(2), show_progress=False,
-                                  selection=selection, test=test)
+                                  texts=QuantTexts(selection, test))
         assert set(read_at) == {0} and len(test.reads) == (1 if result.best else 0)
         walks.append([(c.config.label, c.eval.ppl, c.eval.loss_interval) for c in result.candidates])
     assert walks[0] == walks[1]
@@ -245,8 +245,8 @@ def test_explicit_candidates_are_walked_in_order_of_bytes(tiny_models, monkeypat
     loaded = load_model(tiny_models.dir("qwen2"), dtype="fp32")
     monkeypatch.setattr(auto, "evaluate", _losing)
     space = _space(max_loss=1e-3, candidates=("method=rtn,bits=8,group_size=-1", "method=rtn,group_size=32"))
-    result, _ = auto_quantize(loaded, space, timer(space), show_progress=False, selection=FixedSet(TEXTS),
-                              test=FixedSet(TEXTS))
+    result, _ = auto_quantize(loaded, space, timer(space), show_progress=False,
+                              texts=QuantTexts(FixedSet(TEXTS), FixedSet(TEXTS)))
     assert [c.config.label for c in result.candidates] == ["rtn-int4-g32-sym", "rtn-int8-pc-sym"]
     assert {c.step for c in result.candidates} == {"explicit"}
 
