@@ -192,8 +192,9 @@ def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, se
 
 
 # The user's text is split by tokens: a fifth to calibration, the rest evenly between selection
-# and test, each of those two capped at about the built-in set's size (every candidate is
-# scored on the selection part; the test part is scored once). Beyond the caps, text goes to
+# and test. Scoring is capped at about the built-in sets' sizes (every candidate is scored on the
+# selection part; the test part once): whole files are scored up to their share of the cap, so
+# that many files are sampled rather than a few whole; windows of one text beyond the cap go to
 # calibration, which only ever draws its windows from it.
 SPLIT_SHARES = (("calibration", 0.2), ("selection", 0.4), ("test", 0.4))
 SPLIT_MAX_TOKENS = {"selection": 16384, "test": 32768}
@@ -276,13 +277,15 @@ class _Part:
         return sum(self.counts) / self.target if self.target > 0 else float("inf")
 
 
-def _assign(units: list[EvalText], counts: list[int], seed: int) -> dict[str, _Part]:
-    """Deal ``units`` (shuffled by ``seed``) to the part least full against its token target."""
+def _assign(units: list[EvalText], counts: list[int], seed: int, is_capped: bool) -> dict[str, _Part]:
+    """Deal ``units`` (shuffled by ``seed``) to the part least full against its token target;
+    ``is_capped``: the scored parts' targets stop at their caps."""
     total = sum(counts)
     parts = {name: _Part(name, share * total) for name, share in SPLIT_SHARES}
     for name, cap in SPLIT_MAX_TOKENS.items():
-        parts["calibration"].target += max(parts[name].target - cap, 0)
-        parts[name].target = min(parts[name].target, cap)
+        if is_capped:
+            parts["calibration"].target += max(parts[name].target - cap, 0)
+            parts[name].target = min(parts[name].target, cap)
     order = list(range(len(units)))
     random.Random(seed).shuffle(order)
     for i in order:
@@ -307,7 +310,7 @@ def split_texts(tokenizer: Tokenizer, texts: list[EvalText], seq_len: int, seed:
     texts = [EvalText(t.name, t.text, USER_DOMAIN) for t in texts]
     parts, by_window = None, False
     if len(texts) >= len(SPLIT_SHARES):
-        parts = _assign(texts, [len(tokenizer.encode(t.text)) for t in texts], seed)
+        parts = _assign(texts, [len(tokenizer.encode(t.text)) for t in texts], seed, is_capped=False)
         how = f"by file, seed {seed}"
     if parts is None or not _is_enough(parts, seq_len):
         pieces = [piece for t in texts for piece in _windows_of(tokenizer, t, seq_len)]
@@ -316,7 +319,7 @@ def split_texts(tokenizer: Tokenizer, texts: list[EvalText], seq_len: int, seed:
         if len(pieces) < needed:
             raise ValueError(f"the text holds {sum(counts)} tokens, too short to split into calibration, selection "
                              f"and test parts: at least {needed} windows of {seq_len} tokens are needed")
-        parts, by_window = _assign(pieces, counts, seed), True
+        parts, by_window = _assign(pieces, counts, seed, is_capped=True), True
         how = f"by window of {seq_len} tokens, seed {seed}"
     if not _is_enough(parts, seq_len):  # a few long pieces can leave a part short; a rare edge
         raise ValueError(f"the text is too short to split into calibration, selection and test parts with "

@@ -10,7 +10,7 @@ import pytest
 
 from fastdraft.cli import main
 from fastdraft.engine.loader import load_model
-from fastdraft.quant import auto
+from fastdraft.quant import auto, data
 from fastdraft.quant.auto import AutoSearchSpace, auto_quantize
 from fastdraft.quant.data import (SELECTION, TEST, USER_DOMAIN, EvalText, GivenTexts, calibration_samples,
                                   given_texts, split_texts)
@@ -51,6 +51,16 @@ def test_files_are_dealt_to_disjoint_parts_the_same_way_for_a_seed(tokenizer):
     total = sum(len(tokenizer.encode(t.text)) for t in texts)
     assert 0.25 * total < split.selection.num_tokens < 0.55 * total
     assert 0.25 * total < split.test.num_tokens < 0.55 * total
+
+
+def test_a_large_part_is_scored_a_little_from_each_file(tokenizer, monkeypatch):
+    monkeypatch.setattr(data, "SPLIT_MAX_TOKENS", {"selection": 256, "test": 512})
+    texts = [EvalText(f"file{i}.py", _text(i, 30)) for i in range(12)]
+    split = split_texts(tokenizer, texts, SEQ_LEN)
+    windows = EvalWindows.for_set(tokenizer, split.selection, SEQ_LEN)
+    assert len(split.selection.given) >= 3 and split.selection.num_tokens > 256
+    assert {w.text for w in windows.windows} == set(_names(split.selection))  # every file, a little of each
+    assert windows.num_tokens <= 256
 
 
 def test_one_file_is_split_by_window(tokenizer):
