@@ -219,10 +219,15 @@ class GivenTexts:
         return groups + (self.builtin.scored() if self.builtin is not None else [])
 
     def describe(self) -> str:
-        names = [t.name for t in self.given]
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        text = f"{len(names)} of your texts ({self.num_tokens} tokens): {shown}"
+        text = _listing(self.given, self.num_tokens)
         return text + (f"; and the {self.builtin.describe()}" if self.builtin is not None else "")
+
+
+def _listing(texts: tuple[EvalText, ...], num_tokens: int, num_shown: int = 6) -> str:
+    """``"12 of your texts (34567 tokens): a.md, b.md ... and 10 more"``."""
+    names = [t.name for t in texts]
+    more = f" and {len(names) - num_shown} more" if len(names) > num_shown else ""
+    return f"{len(names)} of your texts ({num_tokens} tokens): {', '.join(names[:num_shown])}{more}"
 
 
 @dataclass(frozen=True)
@@ -244,11 +249,11 @@ class QuantTexts:
         return isinstance(self.selection, GivenTexts) and self.selection.builtin is not None
 
     def describe(self) -> dict[str, str]:
-        calibration = (f"{len(self.calibration)} of your texts ({self.calibration_tokens} tokens): "
-                       + ", ".join(t.name for t in self.calibration[:6])
-                       + (f" and {len(self.calibration) - 6} more" if len(self.calibration) > 6 else "")
-                       + ("; and the built-in calibration set" if self.is_calibration_mixed else "")
-                       if self.calibration else "the built-in calibration set")
+        """What each part holds, in words, for the report."""
+        calibration = "the built-in calibration set"
+        if self.calibration:
+            calibration = _listing(self.calibration, self.calibration_tokens) + (
+                f"; and {calibration}" if self.is_calibration_mixed else "")
         return {"calibration": calibration, "selection": self.selection.describe(), "test": self.test.describe()}
 
 
