@@ -148,10 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     mine.add_argument("--text", action="append", metavar="FILE",
                       help="UTF-8 text to split into calibration, selection and test parts (repeatable)")
     mine.add_argument("--text-dir", action="append", metavar="DIR", help="every file under this folder (repeatable)")
-    for part in ("calib", "select", "test"):
-        mine.add_argument(f"--{part}-text", action="append", metavar="PATH",
-                          help=f"a file or folder for the {part.replace('select', 'selection')} part alone "
-                               "(repeatable; instead of --text)")
+    for flag, part in (("calib", "calibration"), ("select", "selection"), ("test", "test")):
+        mine.add_argument(f"--{flag}-text", action="append", metavar="PATH",
+                          help=f"a file or folder for the {part} part alone (repeatable; instead of --text)")
     mine.add_argument("--mix-builtin", action="store_true",
                       help="keep the built-in sets beside your text; a candidate must meet the target on both")
     mine.add_argument("--split-seed", type=int, default=0, help="the seed that deals your text out to the parts")
