@@ -17,6 +17,7 @@ parts (by file, or by window), and :class:`QuantTexts` says what each part of a 
 
 from __future__ import annotations
 
+import os
 import random
 import sysconfig
 from dataclasses import dataclass, field
@@ -224,10 +225,17 @@ class GivenTexts:
 
 
 def _listing(texts: tuple[EvalText, ...], num_tokens: int, num_shown: int = 6) -> str:
-    """``"12 of your texts (34567 tokens): a.md, b.md ... and 10 more"``."""
+    """``"12 of your texts (34567 tokens) in docs/: a.md, b.md, ... and 10 more"``."""
     names = [t.name for t in texts]
+    try:  # the folder they share, named once
+        folder = os.path.commonpath([os.path.dirname(name) for name in names])
+    except ValueError:  # absolute and relative names mixed
+        folder = ""
+    where = f" in {folder.rstrip(os.sep)}{os.sep}" if folder else ""
+    if folder:
+        names = [os.path.relpath(name, folder) for name in names]
     more = f" and {len(names) - num_shown} more" if len(names) > num_shown else ""
-    return f"{len(names)} of your texts ({num_tokens} tokens): {', '.join(names[:num_shown])}{more}"
+    return f"{len(names)} of your texts ({num_tokens} tokens){where}: {', '.join(names[:num_shown])}{more}"
 
 
 @dataclass(frozen=True)
