@@ -350,21 +350,14 @@ def _cmd_quantize(args: argparse.Namespace) -> None:
 def _quant_texts(args: argparse.Namespace):
     """The text sets of ``quantize --auto``: the built-in ones, or the user's text split into
     calibration, selection and test parts (with the model's tokenizer, before the model loads)."""
-    from pathlib import Path
-
     from fastdraft.model_config import ModelConfig
     from fastdraft.models.files import resolve_model_dir
     from fastdraft.quant.auto import AutoSearchSpace
-    from fastdraft.quant.data import QuantTexts, given_texts, read_text_files, split_texts
+    from fastdraft.quant.data import QuantTexts, given_texts, read_text_files, read_text_paths, split_texts
     from fastdraft.tokenizer import Tokenizer
 
-    def read(paths: list[str] | None):
-        if not paths:
-            return None
-        return read_text_files([p for p in paths if not Path(p).is_dir()], [p for p in paths if Path(p).is_dir()])
-
     whole = read_text_files(args.text or [], args.text_dir or []) if args.text or args.text_dir else None
-    parts = [read(args.calib_text), read(args.select_text), read(args.test_text)]
+    parts = [read_text_paths(paths) if paths else None for paths in (args.calib_text, args.select_text, args.test_text)]
     if whole is not None and any(p is not None for p in parts):
         raise CLIError("give --text/--text-dir (split for you) or --calib-text/--select-text/--test-text, not both")
     if whole is None and all(p is None for p in parts):

@@ -152,6 +152,12 @@ def read_text_files(paths: list[str | Path] | tuple = (), dirs: list[str | Path]
     return texts
 
 
+def read_text_paths(paths: list[str | Path]) -> list[EvalText]:
+    """The texts of ``paths``, each a file or a folder (every file under it), as
+    :func:`read_text_files` reads them."""
+    return read_text_files([p for p in paths if not Path(p).is_dir()], [p for p in paths if Path(p).is_dir()])
+
+
 def calibration_samples(tokenizer: Tokenizer, num_samples: int, seq_len: int, seed: int = 0,
                         prose_fraction: float = 0.25, user_texts: tuple[EvalText, ...] = (),
                         user_fraction: float = 1.0) -> list[torch.Tensor]:
