@@ -365,7 +365,8 @@ def _quant_texts(args: argparse.Namespace):
             raise CLIError("--mix-builtin needs your text (--text, --text-dir or --*-text)")
         return QuantTexts()
     model_dir = resolve_model_dir(args.model)
-    seq_len = min(AutoSearchSpace.eval_seq_len, ModelConfig.from_file(model_dir / "config.json").max_position_embeddings)
+    max_len = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
+    seq_len = min(AutoSearchSpace.eval_seq_len, max_len)
     tokenizer = Tokenizer(model_dir)
     if whole is not None:
         return split_texts(tokenizer, whole, seq_len, args.split_seed, args.mix_builtin)
