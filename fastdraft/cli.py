@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--enforce-eager", action="store_true", help="on a GPU, no CUDA graphs: every step eagerly")
     gen.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     gen.add_argument("--max-seq-len", type=_positive_int, default=4096)
     gen.add_argument("--speculative", metavar="self|ngram|MODEL", default=None,
@@ -196,6 +197,7 @@ def _cmd_pull(args: argparse.Namespace) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
+    from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.engine.loader import load_model
     from fastdraft.generator import TextGenerator
     from fastdraft.sampling_params import SamplingParams
@@ -211,7 +213,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
                         keep_gguf_quant=args.keep_gguf_quant)
-    generator = TextGenerator(loaded, max_seq_len=args.max_seq_len, speculative=spec)
+    config = EngineConfig(max_num_seqs=1, max_model_len=args.max_seq_len, enforce_eager=args.enforce_eager)
+    generator = TextGenerator(loaded, speculative=spec, engine_config=config)
     stream = generator.stream(args.prompt, params, chat=args.chat)
     for piece in stream:
         sys.stdout.write(piece)

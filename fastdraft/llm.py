@@ -41,7 +41,7 @@ class LLM:
                  speculative_model: str | None = None, num_speculative_tokens: int = 4,
                  draft_device: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, kv_cache_memory: float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, batch_invariant: bool = True,
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True, enforce_eager: bool = False,
                  speculative_config: SpeculativeConfig | dict | None = None) -> None:
         if speculative_config is not None and speculative_model is not None:
             raise ValueError("give speculative_model or speculative_config, not both")
@@ -67,7 +67,8 @@ class LLM:
         self.engine = LLMEngine(loaded, EngineConfig(
             block_size=block_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant),
+            enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
+            enforce_eager=enforce_eager),
             speculation=None if spec is None else speculator_factory(spec))
 
     def generate(self, prompts: str | list[str] | list[list[int]],

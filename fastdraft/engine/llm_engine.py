@@ -59,7 +59,10 @@ class EngineConfig:
     ``block_size`` is best a power of two: the C++ attention and decoder need one (other sizes
     run the PyTorch path). ``batch_invariant`` runs every step in :func:`fastdraft.kernels.mode.batch_invariant`: a
     sequence's logits, bit for bit, do not depend on what else runs, on how its prompt was
-    chunked, on preemption or on the prefix cache (see docs/architecture.md for its cost)."""
+    chunked, on preemption or on the prefix cache (see docs/architecture.md for its cost).
+
+    On a GPU, pure-decode steps replay CUDA graphs captured at start-up (``engine/cuda_graphs.py``);
+    ``enforce_eager`` (vLLM's name) runs every step eagerly instead."""
 
     block_size: int = 16
     kv_cache_memory: float | None = None
@@ -70,6 +73,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     batch_invariant: bool = True
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_model_len < 1:
@@ -128,8 +132,10 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, loaded.config.max_position_embeddings)
         num_blocks = self.config.pool_blocks(PagedKVCache.bytes_per_block(loaded.config, self.config.block_size,
                                                                           model.dtype), self.max_model_len)
-        self.kv_cache = PagedKVCache.from_config(loaded.config, num_blocks, self.config.block_size, model.dtype,
-                                                 model.device)
+        # On a GPU, one block past the block manager's: the decode graphs' padding rows read it.
+        use_graphs = model.device.type == "cuda" and not self.config.enforce_eager
+        self.kv_cache = PagedKVCache.from_config(loaded.config, num_blocks + use_graphs, self.config.block_size,
+                                                 model.dtype, model.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.config.block_size,
                     self.kv_cache.num_bytes / (1 << 30))
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -139,6 +145,8 @@ class LLMEngine:
                                    eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, eos_token_ids,
                                   batch_invariant=self.config.batch_invariant)
+        if use_graphs and not self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len):
+            logger.info("decode steps run eagerly: the model runs the module path on this GPU")
         self.speculator: Speculator | None = None
         if speculation is not None:
             self.speculator = speculation(loaded, self.runner, self.config.max_num_seqs)

@@ -9,14 +9,15 @@ import time
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.cuda_graphs import CudaGraph, DecodeGraphs
 from fastdraft.engine.scheduler import SchedulerOutput
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.structured import StructuredOutputs
-from fastdraft.kernels.fused import is_paged_block_size
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span, flat_batch
 from fastdraft.layers.rejection_sampler import rejection_sample_batch
 from fastdraft.layers.sampler import apply_penalties, make_generator, sample_batch
+from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 
 
@@ -32,15 +33,18 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
                  eos_token_ids: frozenset[int] | set[int] | None = None, batch_invariant: bool = True) -> None:
-        if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks != block_manager.num_blocks:
-            raise ValueError("the KV cache and the block manager must agree on block size and count")
+        # The cache may hold blocks past the manager's: a CUDA graph's padding rows read one.
+        if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks < block_manager.num_blocks:
+            raise ValueError("the KV cache must have the block manager's block size and at least its blocks")
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.batch_invariant = batch_invariant
-        # All decoder layers in one C++ call per step, built once here; None: the model's module
-        # path (hooks, no CPU kernels, CUDA, a block size the C++ attention does not take).
-        self.decoder = model.fused_decoder() if is_paged_block_size(kv_cache.block_size) else None
+        # The fused step, built once here: all decoder layers in one C++ call on a CPU, Triton
+        # kernels and fused matmuls on a GPU. None: the model's module path (hooks, no CPU
+        # kernels or Triton, a block size neither attention takes).
+        self.decoder = model.fused_decoder(kv_cache.block_size)
+        self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (capture_graphs)
         self._generators: dict[int, torch.Generator] = {}
         # Grammar state of constrained requests (the engine sets it on the first one).
         self.structured: StructuredOutputs | None = None
@@ -52,6 +56,24 @@ class ModelRunner:
         # Wall time spent preparing and running the model, and sampling, over all steps.
         self.forward_seconds = 0.0
         self.sample_seconds = 0.0
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, graph_type: type = CudaGraph) -> bool:
+        """Capture CUDA graphs for pure-decode steps of up to ``max_num_seqs`` sequences (see
+        ``engine/cuda_graphs.py``); whether they were (they need the GPU step and a spare cache
+        block past the block manager's for padding rows to read)."""
+        if not isinstance(self.decoder, CudaDecoder) or self.kv_cache.num_blocks <= self.block_manager.num_blocks:
+            return False
+        self.graphs = DecodeGraphs(self.decoder, self.model.compute_logits, self.kv_cache, max_num_seqs, max_model_len,
+                                   dummy_block=self.block_manager.num_blocks, graph_type=graph_type)
+        self.graphs.capture()
+        return True
+
+    def is_graph_step(self, output: SchedulerOutput) -> bool:
+        """Whether ``output`` replays a decode graph: one token of every sequence, each its last
+        (no prefill, no draft tokens), within the largest bucket."""
+        return (self.graphs is not None and not output.draft_token_ids and 0 < len(output.seqs) <= self.graphs.max_batch
+                and all(num == 1 for num in output.num_scheduled_tokens)
+                and all(seq.num_computed_tokens + 1 == seq.num_tokens for seq in output.seqs))
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""
@@ -108,10 +130,16 @@ class ModelRunner:
             input_ids, meta = flat_batch([Span([0], context_len, seq.block_table) for seq in seqs], block_size,
                                          self.model.device)
             rows = list(range(num_seqs))
+            is_graph = self.graphs is not None and num_seqs <= self.graphs.max_batch  # as a decode step runs
             times = []
             for _ in range(repeats + 1):  # the first pass warms up
                 start = time.perf_counter()
-                self.logits(input_ids, meta, rows)
+                if is_graph:
+                    self.graphs.run([0] * num_seqs, [context_len] * num_seqs, [seq.block_table for seq in seqs])
+                else:
+                    self.logits(input_ids, meta, rows)
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             return statistics.median(times[1:])
         finally:
@@ -123,8 +151,14 @@ class ModelRunner:
         """Run ``output``'s step; the new tokens of each sequence that sampled, by ``seq_id``:
         one token, or with draft tokens the accepted ones and a recovered or bonus token."""
         start = time.perf_counter()
-        input_ids, meta, sample_rows, samplers = self.prepare(output)
-        logits = self.logits(input_ids, meta, sample_rows)  # [len(sample_rows), vocab_size]
+        if self.is_graph_step(output):
+            samplers = output.seqs
+            logits = self.graphs.run([seq.token_ids[-1] for seq in samplers],
+                                     [seq.num_computed_tokens for seq in samplers],
+                                     [seq.block_table for seq in samplers])  # [num_seqs, vocab_size]
+        else:
+            input_ids, meta, sample_rows, samplers = self.prepare(output)
+            logits = self.logits(input_ids, meta, sample_rows)  # [len(sample_rows), vocab_size]
         self.forward_seconds += time.perf_counter() - start
         self.last_logprobs = {}
         if logits is None:

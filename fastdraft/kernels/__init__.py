@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from fastdraft.formats import QuantizedWeight
-from fastdraft.kernels.aten import AtenInt4Kernel, AtenInt8Kernel
+from fastdraft.kernels.aten import AtenInt4CudaKernel, AtenInt4Kernel, AtenInt8Kernel
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.reference import ReferenceKernel
 from fastdraft.kernels.x86 import X86WoqKernel
 
 KERNELS: dict[str, type[WeightOnlyKernel]] = {
-    k.name: k for k in (ReferenceKernel, AtenInt4Kernel, AtenInt8Kernel, X86WoqKernel)
+    k.name: k for k in (ReferenceKernel, AtenInt4Kernel, AtenInt4CudaKernel, AtenInt8Kernel, X86WoqKernel)
 }
 
 

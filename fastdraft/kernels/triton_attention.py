@@ -180,7 +180,7 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_kt, stride_kh,
-                         stride_cb, stride_ch, stride_cs, NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
+                         stride_vt, stride_vh, stride_cb, stride_ch, stride_cs, NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """One token's keys and values [NUM_KV_HEADS, HEAD_DIM] into its slot (-1: skip)."""
         token = tl.program_id(0)
@@ -189,11 +189,12 @@ if triton is not None:
             offs_h = tl.arange(0, NUM_KV_HEADS_PAD)
             offs_d = tl.arange(0, HEAD_DIM_PAD)
             ok = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-            source = token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+            k_source = token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+            v_source = token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             target = (slot // BLOCK_SIZE) * stride_cb + offs_h[:, None] * stride_ch + (slot % BLOCK_SIZE) * stride_cs \
                 + offs_d[None, :]
-            tl.store(k_cache_ptr + target, tl.load(k_ptr + source, mask=ok), mask=ok)
-            tl.store(v_cache_ptr + target, tl.load(v_ptr + source, mask=ok), mask=ok)
+            tl.store(k_cache_ptr + target, tl.load(k_ptr + k_source, mask=ok), mask=ok)
+            tl.store(v_cache_ptr + target, tl.load(v_ptr + v_source, mask=ok), mask=ok)
 
 
 def _check(q: torch.Tensor, k_blocks: torch.Tensor) -> None:
@@ -208,14 +209,17 @@ def _check(q: torch.Tensor, k_blocks: torch.Tensor) -> None:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into the blocks [num_blocks,
-    num_kv_heads, block_size, head_dim] at ``slot_mapping`` [num_tokens] (-1: skip the token)."""
+    num_kv_heads, block_size, head_dim] at ``slot_mapping`` [num_tokens] (-1: skip the token).
+    k and v may be column slices of wider rows (a fused qkv projection's)."""
     _check(k, k_blocks)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k, v = k.contiguous(), v.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_blocks, v_blocks, slot_mapping, k.stride(0), k.stride(1), k_blocks.stride(0), k_blocks.stride(1),
+        k, v, k_blocks, v_blocks, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_blocks.stride(0), k_blocks.stride(1),
         k_blocks.stride(2), NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_two(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_next_power_of_two(head_dim), BLOCK_SIZE=k_blocks.shape[2])
 

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdraft.model_config import ModelConfig
-from fastdraft.kernels.fused import rotary, silu_and_mul
+from fastdraft.kernels.fused import is_paged_block_size, rotary, silu_and_mul
 from fastdraft.layers.attention import paged_attention
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import Linear, has_hooks
 from fastdraft.layers.norm import RMSNorm
 from fastdraft.layers.quant_linear import EXACT_MIN_ROWS
 from fastdraft.layers.rotary import RotaryEmbedding
+from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.models.fused_decoder import FusedDecoder
 
 
@@ -134,21 +135,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: PagedAttentionMetadata, decoder: FusedDecoder | None = None) -> torch.Tensor:
+                meta: PagedAttentionMetadata, decoder: FusedDecoder | CudaDecoder | None = None) -> torch.Tensor:
         """One forward pass over a flat batch: input_ids, positions [num_tokens] -> final hidden
         states [num_tokens, hidden_size], every token's key and value written to ``kv_cache``.
 
         ``positions`` are ``meta.positions``, as vLLM's models take them. ``decoder``: a C++ step
         its caller built for this model (:meth:`fused_decoder`), the CPU backend of the same call,
         bit-identical to the module path (for the one exception see
-        :mod:`~fastdraft.models.fused_decoder`); without it, the module path."""
+        :mod:`~fastdraft.models.fused_decoder`), or the GPU step of
+        :mod:`~fastdraft.models.cuda_decoder`; without it, the module path."""
         if decoder is not None:
             return decoder.forward_paged(input_ids, positions, kv_cache, meta)
         return self.model(input_ids, positions, kv_cache, meta, self.min_rows)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                meta: PagedAttentionMetadata, logit_rows: list[int],
-               decoder: FusedDecoder | None = None) -> torch.Tensor:
+               decoder: FusedDecoder | CudaDecoder | None = None) -> torch.Tensor:
         """fp32 logits [len(logit_rows), vocab_size] of the flat batch's ``logit_rows``:
         ``compute_logits(forward(...)[logit_rows])`` bit for bit, with a weight-only head run
         inside ``decoder``'s C++ step where it can."""
@@ -166,11 +168,17 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(rows)[:num_rows].float()
         return logits.view(*hidden_states.shape[:-1], -1)
 
-    def fused_decoder(self) -> FusedDecoder | None:
-        """The C++ step of this model's modules as they are now, for the caller to own and pass
-        to ``forward`` or ``logits``; None where it cannot run (off the CPU kernels, on CUDA,
-        with hooks observing the model)."""
-        if self.device.type != "cpu" or has_hooks(self) or has_hooks(self.model):
+    def fused_decoder(self, block_size: int = 16) -> FusedDecoder | CudaDecoder | None:
+        """The fused step of this model's modules as they are now, for a paged cache of
+        ``block_size``-token blocks, for the caller to own and pass to ``forward`` or ``logits``:
+        the C++ step on a CPU, Triton kernels and fused matmuls on a GPU. None where neither can
+        run (no CPU kernels or Triton, a block size they do not take, hooks observing the model)."""
+        if has_hooks(self) or has_hooks(self.model):
+            return None
+        if self.device.type == "cuda":
+            with torch.inference_mode():
+                return CudaDecoder.build(self, block_size)
+        if self.device.type != "cpu" or not is_paged_block_size(block_size):
             return None
         with torch.inference_mode():
             return FusedDecoder.build(self.model, self.lm_head, self.dtype, self.device, self.min_rows)

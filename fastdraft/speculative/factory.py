@@ -69,8 +69,14 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Raise ``ValueError`` unless both tokenizers map every shared token to the same id.
 
     The models' embedding sizes may differ (Qwen pads its vocabulary to a multiple of 128);
-    draft probabilities are zero-padded to the target's size during verification.
+    draft probabilities are zero-padded to the target's size during verification. Models built
+    in code without a tokenizer (token-id prompts only) must have the same vocabulary size.
     """
+    if target.tokenizer is None or draft.tokenizer is None:
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(f"without a tokenizer to compare, the draft's vocabulary ({draft.config.vocab_size}) "
+                             f"must be the target's ({target.config.vocab_size})")
+        return
     target_vocab = target.tokenizer.get_vocab()
     draft_vocab = draft.tokenizer.get_vocab()
     if target_vocab != draft_vocab:

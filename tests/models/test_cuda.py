@@ -10,7 +10,9 @@ import torch
 from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.kernels.fused import per_token_attention
+from fastdraft.layers.attention import reference_paged_attention
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache, Span, flat_batch
+from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.sampling_params import SamplingParams
 from tests.helpers import append_pass, assert_tokens_equal_one_token_calls
 
@@ -37,7 +39,7 @@ def test_cuda_logits_match_cpu(tiny_models, variant):
     cpu = load_model(tiny_models.dir(variant), dtype="fp32")
     gpu = load_model(tiny_models.dir(variant), dtype="fp32", device=DEVICE)
     assert gpu.model.device.type == DEVICE
-    assert gpu.model.fused_decoder() is None  # the C++ step is CPU-only: CUDA runs the module path
+    assert isinstance(gpu.model.fused_decoder(), CudaDecoder)  # the GPU step; the module path runs here
     ids = torch.randint(3, cpu.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     kv_cpu = SequenceCache.from_config(cpu.config, 64, dtype=torch.float32)
     kv_gpu = SequenceCache.from_config(gpu.config, 64, dtype=torch.float32, device=DEVICE)
@@ -109,9 +111,10 @@ def test_cuda_text_generation(tiny_models):
 
 
 @torch.inference_mode()
-def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
-    """cuDNN's attention builds an execution plan for every new key length, which decoding
-    changes at every step (2.1 ms of host time per call on an H100): decode must avoid it."""
+def test_cuda_attention_is_one_triton_launch_per_layer_and_never_cudnn(tiny_models):
+    """Decode and verification passes run the Triton paged attention, one launch per layer; the
+    PyTorch twin, where it runs, keeps SDPA off cuDNN, whose attention builds an execution plan
+    for every new key length (2.1 ms of host time per call on an H100)."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = load_model(tiny_models.dir("llama"), dtype="bf16", device=DEVICE)
@@ -123,18 +126,26 @@ def test_cuda_decode_keeps_attention_off_cudnn(tiny_models):
         return append_pass(gpu.model, cache, token_ids, logit_rows=[len(token_ids) - 1]).argmax(-1)
 
     token = greedy(ids)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             token = greedy(token)
         greedy(torch.cat([token, token, token]))  # a verification's shape
-    names = {event.key for event in prof.key_averages()}
-    assert any("scaled_dot_product" in name for name in names)  # the profile saw attention
-    assert not any("cudnn_attention" in name for name in names)
+        q = torch.randn(3, 4, 16, device=DEVICE, dtype=torch.bfloat16)
+        _, meta = cache.append([1, 2, 3])
+        reference_paged_attention(q, cache.kv_cache.k[0], cache.kv_cache.v[0], meta, 0.25)
+    torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e.name for e in events if e.device_type.name == "CUDA"]
+    num_layers = gpu.config.num_hidden_layers
+    assert sum("_attention_kernel" in name for name in kernels) == 4 * num_layers  # 4 passes
+    names = {e.key for e in prof.key_averages()}
+    assert any("scaled_dot_product" in name for name in names)  # the twin's SDPA ran
+    assert not any("cudnn" in name.lower() for name in names | set(kernels))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_verification_attention_equals_one_token_steps(dtype):
-    """On CUDA attention runs the PyTorch twin: each verified token must get exactly the result
+    """Where CUDA attention runs the PyTorch twin, each verified token must get exactly the result
     of its one-token step, so that greedy speculative decoding reproduces plain decoding."""
     torch.manual_seed(0)
     group, d, length, num_tokens = 6, 64, 300, 5

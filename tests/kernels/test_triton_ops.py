@@ -1,0 +1,81 @@
+"""The Triton RMSNorm, rotary and SiLU-and-multiply against their PyTorch twins: on a GPU when
+there is one, else through Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastdraft.kernels import triton_ops
+from fastdraft.kernels.fused import reference_rms_norm, reference_rotary, reference_silu_and_mul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.skipif(not triton_ops.is_available(), reason="Triton is not installed"),
+    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="Triton runs on the CPU only through its interpreter (TRITON_INTERPRET=1, set by conftest)"),
+]
+# The interpreter emulates bf16 roundings imprecisely: on the CPU only fp32 is compared.
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # one bf16 rounding apart at most: the sum of squares is reduced in another order
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_the_twin(dtype):
+    x, weight = _randn(7, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
+    out = torch.full_like(x, float("nan"))
+    triton_ops.rms_norm(x, weight, 1e-6, out=out)
+    _close(out, reference_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_first(dtype):
+    x, residual, weight = _randn(5, 40, dtype=dtype), _randn(5, 40, dtype=dtype, seed=2), _randn(40, dtype=dtype,
+                                                                                                  seed=1)
+    total = x + residual  # rounded to the dtype, as the module path's residual add
+    out = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
+    assert torch.equal(residual, total)  # updated in place, exactly
+    _close(out, reference_rms_norm(total, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_twin(dtype):
+    x = _randn(3, 2 * 1100, dtype=dtype)  # more columns than one block
+    _close(triton_ops.silu_and_mul(x), reference_silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rotates_slices_of_wider_rows_in_place(dtype):
+    heads, kv_heads, head_dim, num_tokens = 3, 1, 16, 4
+    qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    cos, sin = _randn(50, head_dim, dtype=dtype, seed=3), _randn(50, head_dim, dtype=dtype, seed=4)
+    positions = torch.tensor([3, 7, 0, 49], device=DEVICE)
+    before = qkv.clone()
+    q_and_k = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+    triton_ops.rotary_(q_and_k, positions, cos, sin)
+    want = reference_rotary(before[:, :(heads + kv_heads) * head_dim].reshape(1, num_tokens, heads + kv_heads,
+                                                                             head_dim),
+                            cos[positions][None], sin[positions][None])[0]
+    _close(q_and_k, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])  # v untouched
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match="contiguous columns"):
+        triton_ops.rms_norm(_randn(4, 6, dtype=torch.float32).t(), _randn(4, dtype=torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="even head_dim"):
+        x = _randn(2, 1, 5, dtype=torch.float32)
+        triton_ops.rotary_(x, torch.zeros(2, dtype=torch.long, device=DEVICE), _randn(4, 5, dtype=torch.float32),
+                           _randn(4, 5, dtype=torch.float32))
