@@ -3,6 +3,7 @@ that reached the end of its tokens."""
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 
@@ -46,6 +47,10 @@ class ModelRunner:
         self.decoder = model.fused_decoder(kv_cache.block_size)
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (capture_graphs)
         self._generators: dict[int, torch.Generator] = {}
+        # On a GPU, sampled rows draw from a stream keyed by (seed, draw index) in one batch of
+        # launches instead of a generator per request (``layers/sampler.py::keyed_uniforms``).
+        self.keyed_sampling = model.device.type == "cuda"
+        self._seeds: dict[int, int] = {}  # seq_id -> the seed of its keyed stream
         # Grammar state of constrained requests (the engine sets it on the first one).
         self.structured: StructuredOutputs | None = None
         # Masked while a request is short of its min_tokens (the scheduler owns finishing on them).
@@ -78,12 +83,24 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence's generator."""
         self._generators.pop(seq.seq_id, None)
+        self._seeds.pop(seq.seq_id, None)
 
     def generator(self, seq: Sequence) -> torch.Generator:
         """``seq``'s own random generator (seeded from its request), made on first use."""
         if seq.seq_id not in self._generators:
             self._generators[seq.seq_id] = make_generator(seq.params.seed, self.model.device)
         return self._generators[seq.seq_id]
+
+    def _keys(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[num_seqs, 2] int64 (seed, draw index) of each sequence's next draw from its keyed
+        stream: its request's seed, or one drawn from fresh entropy when it has none."""
+        rows = []
+        for seq in seqs:
+            if seq.seq_id not in self._seeds:
+                seed = seq.params.seed
+                self._seeds[seq.seq_id] = secrets.randbits(63) if seed is None else seed % (1 << 63)
+            rows.append((self._seeds[seq.seq_id], seq.num_output_tokens))
+        return torch.tensor(rows, dtype=torch.long).to(self.model.device, non_blocking=True)
 
     def prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int],
                                                         list[Sequence]]:
@@ -228,8 +245,14 @@ class ModelRunner:
             if processed is logits and any(samplers[i].params.logprobs is not None for i in constrained):
                 processed = logits.clone()
             self.structured.mask(samplers, processed, constrained)
-        token_ids = sample_batch(processed, [seq.params for seq in samplers],
-                                 [self.generator(seq) for seq in samplers]).tolist()  # [num_sampling_seqs]
+        params = [seq.params for seq in samplers]
+        if not self.keyed_sampling:
+            token_ids = sample_batch(processed, params, [self.generator(seq) for seq in samplers])
+        elif all(p.is_greedy for p in params):
+            token_ids = sample_batch(processed, params, [None] * len(samplers))
+        else:
+            token_ids = sample_batch(processed, params, keys=self._keys(samplers))
+        token_ids = token_ids.tolist()  # [num_sampling_seqs]
         for i, (seq, token) in enumerate(zip(samplers, token_ids)):
             num_top = seq.params.logprobs
             if num_top is not None:

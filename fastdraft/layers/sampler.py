@@ -24,6 +24,31 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (T. Mueller's), in int64 ops that never overflow:
+    every product is of a 32-bit value and a 27-bit constant."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def keyed_uniforms(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, a function of the row's ``seeds`` and ``offsets``
+    (int64 [rows], non-negative) alone: a counter-based stream, so a request's draw at one
+    offset never depends on what else is drawn in the step, and all rows take a few launches
+    on any device, with no generator per request. The float64 is built from two hashes of one
+    32-bit counter (so about 2^32 distinct values)."""
+    key = _hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    # Each offset hashed before it meets the key, so that (seed, offset) pairs collide only by chance.
+    counter = _hash32(key ^ _hash32((offsets & _MASK32) ^ _hash32((offsets >> 32) ^ 0x2545F491)))
+    high = _hash32(counter ^ 0x68E31DA4) >> 5  # 27 bits
+    low = _hash32(counter ^ 0x3B5297A4) >> 6  # 26 bits
+    return ((high << 26) | low).double() / float(1 << 53)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab_size] fp32 logits -> probabilities after temperature, top-k and top-p."""
     if params.is_greedy:
@@ -117,18 +142,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
+                 generators: list[torch.Generator | None] | None = None,
+                 keys: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits`` [num_rows, vocab_size], row ``i`` with its own
     ``params[i]`` and ``generators[i]`` -> ids [num_rows].
 
     Greedy rows take one argmax call; sampled rows are processed together (temperature, top-k
     and top-p per row) and drawn in one inverse-CDF call, each with a uniform from its own
     generator. A row gets exactly the token :func:`sample` gives it alone, so a seeded request
-    draws the same tokens whatever else runs."""
+    draws the same tokens whatever else runs.
+
+    ``keys`` [num_rows, 2] int64 (seed, offset) instead of generators draws every row's uniform
+    from :func:`keyed_uniforms` in one batch of launches (the GPU's way: no call per request)."""
     num_rows = logits.shape[0]
-    if len(params) != num_rows or len(generators) != num_rows:
-        raise ValueError(f"need one SamplingParams and one generator per row, got {len(params)} and "
-                         f"{len(generators)} for {num_rows} rows")
+    if (generators is None) == (keys is None):
+        raise ValueError("give generators or keys, one of the two")
+    num_sources = len(generators) if generators is not None else keys.shape[0]
+    if len(params) != num_rows or num_sources != num_rows:
+        raise ValueError(f"need one SamplingParams and one generator or key per row, got {len(params)} and "
+                         f"{num_sources} for {num_rows} rows")
     ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -139,8 +171,12 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     if sampled_rows:
         rows_params = [params[i] for i in sampled_rows]
         probs = batched_probs(logits[sampled_rows], rows_params)  # [num_sampled, vocab_size]
-        uniform = torch.cat([torch.rand(1, generator=generators[i], device=logits.device, dtype=torch.float64)
-                             for i in sampled_rows]).unsqueeze(1)  # [num_sampled, 1]
+        if keys is not None:
+            rows_keys = keys if len(sampled_rows) == num_rows else keys[sampled_rows]
+            uniform = keyed_uniforms(rows_keys[:, 0], rows_keys[:, 1]).unsqueeze(1)  # [num_sampled, 1]
+        else:
+            uniform = torch.cat([torch.rand(1, generator=generators[i], device=logits.device, dtype=torch.float64)
+                                 for i in sampled_rows]).unsqueeze(1)  # [num_sampled, 1]
         ext = load_cpu_kernels() if probs.device.type == "cpu" else None
         ids[sampled_rows] = _search_cdf(probs, uniform) if ext is None else ext.sample_rows(probs, uniform)
     return ids

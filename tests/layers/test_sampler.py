@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastdraft.kernels.build import load_cpu_kernels
-from fastdraft.layers.sampler import (greedy_ids, logits_to_probs, reference_sample_from_probs, sample,
-                                      sample_batch, sample_from_probs)
+from fastdraft.layers.sampler import (greedy_ids, keyed_uniforms, logits_to_probs, reference_sample_from_probs,
+                                      sample, sample_batch, sample_from_probs)
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -139,8 +139,49 @@ def test_sample_batch_gives_each_row_what_it_gets_alone():
     together = sample_batch(logits, params, [_gen(i) for i in range(12)])
     alone = [int(sample(logits[i:i + 1], params[i], _gen(i))) for i in range(12)]
     assert together.tolist() == alone
-    with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
+    with pytest.raises(ValueError, match="one SamplingParams and one generator or key per row"):
         sample_batch(logits, params[:3], [None] * 3)
+    with pytest.raises(ValueError, match="generators or keys"):
+        sample_batch(logits, params)
+
+
+def test_keyed_uniforms_are_uniform_and_a_function_of_their_key():
+    # Many requests with consecutive seeds, each drawing at consecutive offsets (fixed inputs:
+    # the test is deterministic).
+    seeds = torch.arange(1000).repeat_interleave(100)
+    offsets = torch.arange(100).repeat(1000)
+    u = keyed_uniforms(seeds, offsets)
+    assert u.dtype == torch.float64 and 0 <= float(u.min()) and float(u.max()) < 1
+    # Kolmogorov-Smirnov against U(0, 1): 1.95 / sqrt(n) is the statistic's 0.1% critical value.
+    ranked = u.sort().values
+    cdf = torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)
+    assert float(torch.maximum(cdf - ranked, ranked - (cdf - 1 / len(u))).max()) < 1.95 / len(u) ** 0.5
+    assert len(set(u.tolist())) > 0.999 * len(u)
+    # A row's value depends on its key alone, not on its position or its batch mates.
+    assert torch.equal(keyed_uniforms(seeds[[7, 500]], offsets[[7, 500]]), u[[7, 500]])
+    assert not torch.equal(keyed_uniforms(torch.tensor([1]), torch.tensor([0])),
+                           keyed_uniforms(torch.tensor([2]), torch.tensor([0])))
+
+
+def test_keyed_rows_draw_what_they_draw_alone_and_follow_the_distribution():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 50) * 2
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], top_k=[0, 10][i % 2], seed=i) for i in range(6)]
+    keys = torch.tensor([[i, 3] for i in range(6)])
+    together = sample_batch(logits, params, keys=keys)
+    alone = [int(sample_batch(logits[i:i + 1], [params[i]], keys=keys[i:i + 1])) for i in range(6)]
+    assert together.tolist() == alone
+    # One row drawn at 20000 offsets: the counts follow the row's distribution.
+    param = SamplingParams(temperature=1.0, top_k=8)
+    row = logits[1:2].expand(20000, -1)
+    ids = sample_batch(row, [param] * 20000, keys=torch.stack([torch.full((20000,), 9), torch.arange(20000)], 1))
+    probs = logits_to_probs(logits[1], param)
+    support = torch.nonzero(probs).flatten()
+    counts = torch.bincount(ids, minlength=50)
+    assert counts.sum() == counts[support].sum()  # nothing outside top-k
+    expected = probs[support].double() * 20000
+    chi_square = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert len(support) == 8 and chi_square < 24.3  # the 0.1% critical value for 7 degrees of freedom
 
 
 def test_sample_from_probs_shapes_and_zero_mass():
