@@ -168,3 +168,25 @@ def test_capture_needs_the_gpu_step_and_a_spare_block(tiny_models):
     assert not runner.capture_graphs(4, 64, graph_type=StandInGraph)  # no block for the padding rows
     with pytest.raises(ValueError, match="dummy block"):
         DecodeGraphs(runner.decoder, loaded.model.compute_logits, runner.kv_cache, 4, 64, dummy_block=4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,low_bit", [("fp32", None), ("bf16", "sym_int4")])
+def test_engine_decodes_the_same_tokens_with_graphs_and_eagerly(tiny_models, dtype, low_bit):
+    from fastdraft.llm import LLM
+    from fastdraft.sampling_params import SamplingParams
+
+    prompts = [[3 + i, 17, 40 + 3 * i, 9][: 2 + i % 3] for i in range(5)]
+    outputs = []
+    for eager in (False, True):
+        llm = LLM(str(tiny_models.dir("llama")), dtype=dtype, device=DEVICE, load_in_low_bit=low_bit, max_num_seqs=8,
+                  max_model_len=128, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        if low_bit:
+            assert llm.engine.runner.model.model.layers[0].mlp.down_proj.kernel_for(
+                torch.bfloat16, torch.device(DEVICE)).name == "aten-int4-cuda"
+        results = llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, detokenize=False),
+                               use_tqdm=False)
+        outputs.append([out.outputs[0].token_ids for out in results])
+    assert outputs[0] == outputs[1]

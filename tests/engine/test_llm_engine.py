@@ -55,6 +55,32 @@ def test_engine_matches_one_request_at_a_time(loaded, engine_config):
     assert engine.block_manager.num_free_blocks == engine_config.num_blocks  # every block returned
 
 
+@pytest.mark.parametrize("engine_config", [
+    EngineConfig(num_blocks=256, block_size=16),
+    EngineConfig(num_blocks=24, block_size=4, max_num_batched_tokens=32),  # preemption
+], ids=["batched", "preempted"])
+def test_keyed_sampling_draws_what_a_request_draws_alone(loaded, engine_config):
+    """The GPU's sampling (a stream keyed by seed and draw index) run on the CPU: a seeded
+    request draws the same tokens alone and among others, and after a preemption."""
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+
+    def keyed_engine(config: EngineConfig) -> LLMEngine:
+        engine = LLMEngine(loaded, config)
+        engine.runner.keyed_sampling = True
+        return engine
+
+    alone = [run_to_completion(keyed_engine(EngineConfig(num_blocks=64, block_size=16, max_num_seqs=1)), [prompt],
+                               [p])[0].outputs[0].token_ids for prompt, p in zip(PROMPTS, params)]
+    engine = keyed_engine(engine_config)
+    together = [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS, params)]
+    assert together == alone
+    assert not engine.runner._generators  # no generator per request
+    # A stream of its own: another seed draws other tokens.
+    other = run_to_completion(keyed_engine(engine_config), PROMPTS[:1], [dataclasses.replace(params[0], seed=99)])
+    assert other[0].outputs[0].token_ids != alone[0]
+
+
 def test_llm_generate_of_32_prompts_equals_32_single_runs(tiny_models):
     prompts = [f"def function_{i}(x):\n    return x * {i}" for i in range(32)]
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)

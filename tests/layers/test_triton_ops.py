@@ -1,5 +1,6 @@
-"""The Triton RMSNorm, rotary and SiLU-and-multiply against their PyTorch twins: on a GPU when
-there is one, else through Triton's interpreter on the CPU."""
+"""The GPU's small kernels against their PyTorch twins: the Triton RMSNorm, rotary and
+SiLU-and-multiply (on a GPU when there is one, else through Triton's interpreter on the CPU),
+and PyTorch's CUDA int4 matmul (on a GPU only)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,14 @@ import os
 import pytest
 import torch
 
-from fastdraft.kernels import triton_ops
+from fastdraft.formats import dequantize, quantize
+from fastdraft.kernels import KERNELS, select_kernel, triton_ops
 from fastdraft.kernels.fused import reference_rms_norm, reference_rotary, reference_silu_and_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(not triton_ops.is_available(), reason="Triton is not installed"),
-    pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="Triton runs on the CPU only through its interpreter (TRITON_INTERPRET=1, set by conftest)"),
-]
+needs_triton = pytest.mark.skipif(
+    not triton_ops.is_available() or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs Triton, on a GPU or through its interpreter (TRITON_INTERPRET=1, set by conftest)")
 # The interpreter emulates bf16 roundings imprecisely: on the CPU only fp32 is compared.
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 
@@ -32,6 +32,7 @@ def _randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_the_twin(dtype):
     x, weight = _randn(7, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
@@ -40,6 +41,7 @@ def test_rms_norm_matches_the_twin(dtype):
     _close(out, reference_rms_norm(x, weight, 1e-6))
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_adds_the_residual_first(dtype):
     x, residual, weight = _randn(5, 40, dtype=dtype), _randn(5, 40, dtype=dtype, seed=2), _randn(40, dtype=dtype,
@@ -50,12 +52,14 @@ def test_rms_norm_adds_the_residual_first(dtype):
     _close(out, reference_rms_norm(total, weight, 1e-5))
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_the_twin(dtype):
     x = _randn(3, 2 * 1100, dtype=dtype)  # more columns than one block
     _close(triton_ops.silu_and_mul(x), reference_silu_and_mul(x))
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_rotates_slices_of_wider_rows_in_place(dtype):
     heads, kv_heads, head_dim, num_tokens = 3, 1, 16, 4
@@ -72,6 +76,7 @@ def test_rotary_rotates_slices_of_wider_rows_in_place(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])  # v untouched
 
 
+@needs_triton
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="contiguous columns"):
         triton_ops.rms_norm(_randn(4, 6, dtype=torch.float32).t(), _randn(4, dtype=torch.float32), 1e-6)
@@ -79,3 +84,21 @@ def test_shapes_are_checked():
         x = _randn(2, 1, 5, dtype=torch.float32)
         triton_ops.rotary_(x, torch.zeros(2, dtype=torch.long, device=DEVICE), _randn(4, 5, dtype=torch.float32),
                            _randn(4, 5, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not KERNELS["aten-int4-cuda"].is_available(), reason="needs a CUDA GPU of compute capability 8+")
+@pytest.mark.parametrize("group_size", [32, 128, 512])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_int4_on_cuda_matches_reference(group_size, sym, m):
+    """PyTorch's CUDA int4 matmul over its packed layout: the dense product of the dequantized
+    weight, within bf16 rounding (its scales and offsets are bf16)."""
+    torch.manual_seed(group_size + m)
+    qw = quantize(torch.randn(192, 1024) * 0.02, 4, group_size, sym=sym)
+    kernel = select_kernel(qw, torch.bfloat16, "cuda")
+    assert kernel.name == "aten-int4-cuda"  # chosen over the reference on a GPU
+    x = torch.randn(m, qw.in_features, dtype=torch.bfloat16, device="cuda")
+    out = kernel(x).float().cpu()
+    expected = x.float().cpu() @ dequantize(qw).t()
+    assert out.shape == (m, 192)
+    assert ((out - expected).norm() / expected.norm()).item() < 1e-2
