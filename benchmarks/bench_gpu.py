@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--quant", default="none,int4", help="comma-separated: none, int4 (RTN g128)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="the engine's token budget a step (prefill chunks); at least the number of sequences")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--profile", action="store_true", help="launches, host and GPU time per decode step")
     parser.add_argument("--profile-tables", type=Path, default=None,
@@ -206,8 +208,9 @@ def main() -> None:
             for n in num_seqs:
                 prompts = random_prompts(n, args.prompt_tokens, arch.vocab_size, args.seed + n)
                 for mode in modes:
-                    llm = LLM(loaded, max_num_seqs=n, max_model_len=max_len + 16, max_num_batched_tokens=max(512, n),
-                              kv_cache_memory=None, enforce_eager=mode == "eager")
+                    llm = LLM(loaded, max_num_seqs=n, max_model_len=max_len + 16,
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, n), kv_cache_memory=None,
+                              enforce_eager=mode == "eager")
                     run_fastdraft(llm, random_prompts(n, 16, arch.vocab_size, args.seed), 4, args.device)  # warm-up
                     seconds, tokens = run_fastdraft(llm, prompts, args.new_tokens, args.device)
                     row = {"dtype": dtype_name, "quant": quant, "mode": mode, "num_seqs": n,

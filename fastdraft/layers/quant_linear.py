@@ -60,6 +60,11 @@ class QuantLinear(nn.Module):
                                self.bits, self.group_size, self.in_features)
 
     def kernel_for(self, dtype: torch.dtype, device: torch.device) -> WeightOnlyKernel:
+        # One key per physical device ("cuda" is "cuda:0" there): a kernel rebuilt for the same
+        # device would free the weights a captured CUDA graph still reads.
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (dtype, device)
         if self._kernel is None or self._kernel_key != key:
             self._kernel = select_kernel(self.quantized_weight, dtype, device, self.kernel_name)

@@ -161,13 +161,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     if len(params) != num_rows or num_sources != num_rows:
         raise ValueError(f"need one SamplingParams and one generator or key per row, got {len(params)} and "
                          f"{num_sources} for {num_rows} rows")
-    ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    if len(greedy_rows) == num_rows:  # all greedy, the common case: one argmax, no scatter
+        return greedy_ids(logits.float().contiguous())
+    ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if greedy_rows:
-        # All greedy (the common case): the rows as they are, not a copy of every row.
-        rows = logits if len(greedy_rows) == num_rows else logits[greedy_rows]
-        ids[greedy_rows] = greedy_ids(rows.float().contiguous())
+        ids[greedy_rows] = greedy_ids(logits[greedy_rows].float().contiguous())
     if sampled_rows:
         rows_params = [params[i] for i in sampled_rows]
         probs = batched_probs(logits[sampled_rows], rows_params)  # [num_sampled, vocab_size]

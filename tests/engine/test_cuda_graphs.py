@@ -184,8 +184,8 @@ def test_engine_decodes_the_same_tokens_with_graphs_and_eagerly(tiny_models, dty
                   max_model_len=128, enforce_eager=eager)
         assert (llm.engine.runner.graphs is None) == eager
         if low_bit:
-            assert llm.engine.runner.model.model.layers[0].mlp.down_proj.kernel_for(
-                torch.bfloat16, torch.device(DEVICE)).name == "aten-int4-cuda"
+            model = llm.engine.runner.model
+            assert model.model.layers[0].mlp.down_proj.kernel_for(model.dtype, model.device).name == "aten-int4-cuda"
         results = llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, detokenize=False),
                                use_tqdm=False)
         outputs.append([out.outputs[0].token_ids for out in results])

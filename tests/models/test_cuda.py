@@ -101,7 +101,8 @@ def test_cuda_text_generation(tiny_models):
     cpu = load_model(tiny_models.dir("llama"), dtype="fp32")
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     gen = TextGenerator(gpu, max_seq_len=64)
-    assert gen.engine.kv_cache.k.device.type == DEVICE and gen.engine.runner.decoder is None
+    assert gen.engine.kv_cache.k.device.type == DEVICE and isinstance(gen.engine.runner.decoder, CudaDecoder)
+    assert gen.engine.runner.graphs is not None  # decode steps replay a CUDA graph
     a = gen.generate("the cat", params)
     b = TextGenerator(cpu, max_seq_len=64).generate("the cat", params)
     assert len(a.token_ids) == 16
