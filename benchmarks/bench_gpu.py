@@ -217,8 +217,8 @@ def main() -> None:
                            "fastdraft_tok_s": tokens / seconds}
                     if args.profile:
                         name = f"{dtype_name}_{quant}_{mode}_{n}.txt"
-                        row["profile"] = profile_decode(llm.engine, prompts, args.new_tokens, args.device,
-                                                        table=args.profile_tables / name if args.profile_tables else None)
+                        table = args.profile_tables / name if args.profile_tables else None
+                        row["profile"] = profile_decode(llm.engine, prompts, args.new_tokens, args.device, table=table)
                     del llm
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
