@@ -47,8 +47,9 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: Mod
         target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
                                         min(64, max_tokens, runner.block_manager.num_free_blocks))
         if isinstance(proposer, DraftModelProposer):
+            # A draft pass holds no more rows than the target's (one per drafting sequence).
             draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
-                                           min(64, proposer.runner.block_manager.num_free_blocks))
+                                           min(64, max_tokens, proposer.runner.block_manager.num_free_blocks))
     policy = DraftLengthPolicy(config.num_speculative_tokens, target_cost, draft_cost, config.is_adaptive,
                                pending_tokens=proposer.pending_tokens)
     return Speculator(proposer, policy)
