@@ -22,11 +22,11 @@ def test_import_contracts_are_kept():
 
 
 def test_no_function_level_imports_of_the_package_below_the_front_doors():
-    """Imports inside functions would hide a cycle from the contract; only the command line,
-    which keeps its start-up light, imports lazily."""
+    """Imports inside functions would hide a cycle from the contract; only the command line
+    (the ``fastdraft.cli`` package), which keeps its start-up light, imports lazily."""
     offenders = []
     for path in sorted((ROOT / "fastdraft").rglob("*.py")):
-        if path.name == "cli.py":
+        if path.relative_to(ROOT / "fastdraft").parts[0] == "cli":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if line.startswith((" ", "\t")) and line.lstrip().startswith(("from fastdraft", "import fastdraft")):
