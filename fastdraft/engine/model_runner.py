@@ -17,7 +17,7 @@ from fastdraft.engine.structured import StructuredOutputs
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span, flat_batch
 from fastdraft.layers.rejection_sampler import rejection_sample_batch
-from fastdraft.layers.sampler import apply_penalties, make_generator, sample_batch
+from fastdraft.layers.sampler import apply_extras, changes_logits, make_generator, sample_batch
 from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.models.llama import LlamaForCausalLM
 
@@ -222,23 +222,14 @@ class ModelRunner:
     def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[int]:
         """One token for each sequence from its logits row, with its own parameters."""
         # logits: [num_sampling_seqs, vocab_size]
-        processed = logits  # copied on the first row a penalty or min_tokens changes
-        for i, seq in enumerate(samplers):
-            params = seq.params
-            if not params.uses_engine_extras():
-                continue
-            original = logits[i]  # [vocab_size]
-            row = apply_penalties(original, seq.prompt_token_ids, seq.output_token_ids, params)
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
-                bias = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)
-                row = row.index_add(0, ids, bias)
-            if seq.num_output_tokens < params.min_tokens and self.eos_token_ids:
-                eos_ids = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=row.device)
-                row = row.index_fill(0, eos_ids, float("-inf"))
-            if row is not original:
-                processed = logits.clone() if processed is logits else processed
-                processed[i] = row
+        processed = logits  # copied when a row's penalties, bias or min_tokens apply
+        rows = [i for i, seq in enumerate(samplers) if changes_logits(seq.params)]
+        if rows:
+            seqs = [samplers[i] for i in rows]
+            processed = logits.clone()
+            processed[rows] = apply_extras(logits[rows], [seq.params for seq in seqs],
+                                           [seq.prompt_token_ids for seq in seqs], [seq.output_token_ids for seq in seqs],
+                                           sorted(self.eos_token_ids))
         constrained = self.structured.constrained(samplers) if self.structured is not None else []
         if constrained:
             # Masked in place; copied first only where a masked row reports its model's logprobs.

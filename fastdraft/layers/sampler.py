@@ -248,3 +248,81 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     return logits
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """Ragged rows as one [len(rows), longest] tensor padded with ``pad`` (one copy to ``device``)."""
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=dtype).to(device, non_blocking=True)
+
+
+def apply_extras(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                 output_ids: list[list[int]], eos_token_ids: list[int]) -> torch.Tensor:
+    """The engine's extras on rows [num_rows, vocab_size] at once, row ``i`` with ``params[i]``
+    and its token history: repetition, presence and frequency penalties, ``logit_bias``, then
+    EOS masked while a row is short of its ``min_tokens``. A copy, equal bit for bit to
+    :func:`apply_penalties`, ``index_add`` of the bias and ``index_fill`` of the EOS ids applied
+    row by row (its twin); the histories go to the device as padded tensors, one copy each."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    out = logits.clone()
+    if not num_rows:
+        return out
+
+    def column(values: list[float]) -> torch.Tensor:  # [num_rows, 1] in the logits' dtype
+        return torch.tensor(values, dtype=logits.dtype).to(device, non_blocking=True).unsqueeze(1)
+
+    # Token id ``vocab_size`` pads every history: its column is dropped after the scatter.
+    repetition = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in repetition):
+        seen_ids = _padded([sorted(set(a) | set(b)) if p.repetition_penalty != 1.0 else []
+                            for p, a, b in zip(params, prompt_ids, output_ids)], vocab_size, device)
+        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)
+        seen = seen.scatter_(1, seen_ids, True)[:, :vocab_size]  # [num_rows, vocab_size]
+        penalty = column(repetition)
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    if any(presence) or any(frequency):
+        ids = _padded(output_ids, vocab_size, device)
+        counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=device)
+        counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab_size]
+        # presence + frequency * count on the tokens a row has output, nothing elsewhere.
+        out = torch.where(counts > 0, out - (column(presence) + column(frequency) * counts), out)
+    if any(p.logit_bias for p in params):
+        biases = [dict(p.logit_bias or {}) for p in params]
+        bias_ids = _padded([list(b) for b in biases], vocab_size, device)
+        bias_values = _padded([list(b.values()) for b in biases], 0.0, device, logits.dtype)
+        bias = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=device)
+        bias = bias.scatter_(1, bias_ids, bias_values)[:, :vocab_size]
+        has_bias = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)
+        has_bias = has_bias.scatter_(1, bias_ids, True)[:, :vocab_size]
+        out = torch.where(has_bias, out + bias, out)
+    short = [i for i, (p, o) in enumerate(zip(params, output_ids)) if len(o) < p.min_tokens]
+    if short and eos_token_ids:
+        eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
+        out[torch.tensor(short, device=device)[:, None], eos[None, :]] = float("-inf")
+    return out
+
+
+def reference_apply_extras(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                           output_ids: list[list[int]], eos_token_ids: list[int]) -> torch.Tensor:
+    """:func:`apply_extras` one row at a time: its twin."""
+    out = logits.clone()
+    for i, p in enumerate(params):
+        row = apply_penalties(logits[i], prompt_ids[i], output_ids[i], p)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+            row = row.index_add(0, ids, bias)
+        if len(output_ids[i]) < p.min_tokens and eos_token_ids:
+            row = row.index_fill(0, torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=row.device),
+                                 float("-inf"))
+        out[i] = row
+    return out
+
+
+def changes_logits(params: SamplingParams) -> bool:
+    """Whether :func:`apply_extras` can change a row of ``params``: a penalty, a bias, ``min_tokens``."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or bool(params.logit_bias) or params.min_tokens > 0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fastdraft.kernels.build import load_cpu_kernels
-from fastdraft.layers.sampler import (greedy_ids, keyed_uniforms, logits_to_probs, reference_sample_from_probs,
+from fastdraft.layers.sampler import (apply_extras, changes_logits, greedy_ids, keyed_uniforms, logits_to_probs,
+                                      reference_apply_extras, reference_sample_from_probs,
                                       sample, sample_batch, sample_from_probs)
 from fastdraft.sampling_params import SamplingParams
 
@@ -262,3 +263,28 @@ def test_sample_rows_kernel_matches_its_twin(vocab):
         assert torch.equal(got, want)
         assert (probs.gather(1, got[:, None]) > 0).all()
     assert sample_from_probs(probs[0], _gen(0)).shape == ()
+
+
+def test_batched_extras_equal_the_row_by_row_twin():
+    """Penalties, logit bias and min_tokens over many rows at once: bit for bit what each row
+    gets alone, including rows with none of them, repeated tokens and an empty history."""
+    torch.manual_seed(3)
+    vocab_size = 40
+    logits = torch.randn(6, vocab_size) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(logit_bias={3: 5.0, 7: -100, 39: 0.5}),
+        SamplingParams(min_tokens=4),  # short: EOS masked
+        SamplingParams(min_tokens=2),  # long enough: untouched
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias={0: 1.0}, min_tokens=9),
+    ]
+    prompts = [[1, 2, 3], [5], [], [8, 8], [9], [3, 4, 5, 6]]
+    outputs = [[3, 3, 10], [10, 10, 10, 11], [2], [1, 2], [4, 4, 4], []]
+    eos = [2, 39]
+    got = apply_extras(logits, params, prompts, outputs, eos)
+    want = reference_apply_extras(logits, params, prompts, outputs, eos)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[0], logits[0]) and not torch.equal(got[1], logits[1])
+    assert got[3, 2] == float("-inf") and torch.equal(got[4], logits[4])
+    assert [changes_logits(p) for p in params] == [True] * 6 and not changes_logits(SamplingParams(logprobs=3))
