@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.kernels.build import load_cpu_kernels
-from fastdraft.layers.sampler import batched_probs, greedy_ids, reference_sample_from_probs
+from fastdraft.layers.sampler import _search_cdf, batched_probs, greedy_ids, keyed_uniforms, reference_sample_from_probs
 from fastdraft.sampling_params import SamplingParams
 
 
@@ -126,6 +126,17 @@ def _num_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, targ
     return int(is_accepted.int().cumprod(dim=0).sum())
 
 
+def _check_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int], target_logits: torch.Tensor,
+                 num_reqs: int) -> None:
+    if len(cu_num_draft_tokens) != num_reqs + 1:
+        raise ValueError("need num_reqs + 1 offsets of draft tokens")
+    num_draft_tokens = cu_num_draft_tokens[-1]
+    if draft_token_ids.shape[0] != num_draft_tokens or target_logits.shape[0] != num_draft_tokens + num_reqs:
+        raise ValueError(f"{num_reqs} requests with {num_draft_tokens} draft tokens need {num_draft_tokens} draft ids "
+                         f"and {num_draft_tokens + num_reqs} target rows, got {draft_token_ids.shape[0]} and "
+                         f"{target_logits.shape[0]}")
+
+
 @dataclass
 class BatchVerificationResult:
     """Outcome of one verification step for every request of a batch, in request order."""
@@ -157,13 +168,9 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
     draws for the request alone: a request's tokens do not depend on the rest of the batch.
     """
     num_reqs = len(params)
-    if len(cu_num_draft_tokens) != num_reqs + 1 or len(generators) != num_reqs:
-        raise ValueError("need one SamplingParams and one generator per request, and num_reqs + 1 offsets")
-    num_draft_tokens = cu_num_draft_tokens[-1]
-    if draft_token_ids.shape[0] != num_draft_tokens or target_logits.shape[0] != num_draft_tokens + num_reqs:
-        raise ValueError(f"{num_reqs} requests with {num_draft_tokens} draft tokens need {num_draft_tokens} draft ids "
-                         f"and {num_draft_tokens + num_reqs} target rows, got {draft_token_ids.shape[0]} and "
-                         f"{target_logits.shape[0]}")
+    if len(generators) != num_reqs:
+        raise ValueError("need one SamplingParams and one generator per request")
+    _check_batch(draft_token_ids, cu_num_draft_tokens, target_logits, num_reqs)
     is_greedy = [p.is_greedy for p in params]
     if draft_probs is None and not all(is_greedy[i] or cu_num_draft_tokens[i] == cu_num_draft_tokens[i + 1]
                                        for i in range(num_reqs)):
@@ -197,6 +204,142 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
                                     probs.new_zeros(0, probs.shape[1]), probs, generators[i],
                                     draft_vocab_ids if k else None)
             n, tokens = result.num_accepted, result.output_token_ids
+        outputs.append(tokens)
+        accepted.append(n)
+        drafted.append(k)
+    return BatchVerificationResult(outputs, accepted, drafted)
+
+
+# Keyed verification draws (see :func:`rejection_sample_keyed`) live at offsets past any plain
+# sampling draw's (a request's output count), KEYED_DRAWS_PER_STEP of them per draw index: the
+# acceptance uniforms of positions 0..k-1, and the last one for the recovered or bonus token.
+KEYED_VERIFY_OFFSET = 1 << 40
+KEYED_DRAWS_PER_STEP = 16
+
+
+def _keyed_offsets(draw_index: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    return KEYED_VERIFY_OFFSET + draw_index * KEYED_DRAWS_PER_STEP + sub
+
+
+def rejection_sample_keyed(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int],
+                           target_logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
+                           draft_probs: torch.Tensor | None = None,
+                           draft_vocab_ids: torch.Tensor | None = None) -> BatchVerificationResult:
+    """:func:`rejection_sample_batch` with every request's uniforms from its keyed stream
+    (``keys`` [num_reqs, 2] int64: seed, draw index; ``layers/sampler.py::keyed_uniforms``) and
+    every sampled request verified at once: one gather of the draft tokens' target and draft
+    probabilities, the accepted prefixes by one segmented minimum, one batched draw of the
+    recovered or bonus tokens. The GPU's way (no call per request); the same rule as
+    :func:`verify_sampled`, so every emitted token follows the target's distribution."""
+    num_reqs = len(params)
+    if keys.shape != (num_reqs, 2):
+        raise ValueError("need one SamplingParams and one key (seed, draw index) per request")
+    _check_batch(draft_token_ids, cu_num_draft_tokens, target_logits, num_reqs)
+    num_drafts = [cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i] for i in range(num_reqs)]
+    if max(num_drafts, default=0) >= KEYED_DRAWS_PER_STEP:
+        raise ValueError(f"keyed verification takes fewer than {KEYED_DRAWS_PER_STEP} draft tokens a request")
+    sampled = [i for i in range(num_reqs) if not params[i].is_greedy]
+    greedy = [i for i in range(num_reqs) if params[i].is_greedy]
+    if draft_probs is None and any(num_drafts[i] for i in sampled):
+        raise ValueError("sampled requests with draft tokens need draft_probs")
+    draft_list = draft_token_ids.tolist()
+    outputs: list[list[int]] = [[] for _ in range(num_reqs)]
+    accepted = [0] * num_reqs
+    if greedy:  # one argmax over every greedy request's rows
+        rows = [r for i in greedy for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
+        target_ids = greedy_ids(target_logits[rows]).tolist()
+        offset = 0
+        for i in greedy:
+            start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
+            outputs[i] = _accept_greedy(draft_list[start:end], target_ids[offset:offset + end - start + 1])
+            accepted[i] = len(outputs[i]) - 1
+            offset += end - start + 1
+    if not sampled:
+        return BatchVerificationResult(outputs, accepted, num_drafts)
+    device = target_logits.device
+    # Host-side layout of the sampled requests: their target rows, and one entry per draft token.
+    target_rows, row_params, first_row = [], [], []
+    token_req, token_pos, token_draft_row = [], [], []
+    for j, i in enumerate(sampled):
+        first_row.append(len(target_rows))
+        start = cu_num_draft_tokens[i] + i
+        target_rows.extend(range(start, start + num_drafts[i] + 1))
+        row_params.extend([params[i]] * (num_drafts[i] + 1))
+        token_req.extend([j] * num_drafts[i])
+        token_pos.extend(range(num_drafts[i]))
+        token_draft_row.extend(range(cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]))
+    layout = torch.tensor([first_row, [num_drafts[i] for i in sampled], sampled], dtype=torch.long).to(device)
+    first, k, req_ids = layout[0], layout[1], layout[2]  # [num_sampled] each
+    target_probs = batched_probs(target_logits[target_rows], row_params)  # [num_sampled_rows, vocab_size]
+    vocab_size = target_probs.shape[1]
+    seeds, draw_index = keys[req_ids, 0].to(device), keys[req_ids, 1].to(device)  # [num_sampled]
+    num_accepted = k.clone()
+    if token_req:
+        tokens = torch.tensor([token_req, token_pos, token_draft_row], dtype=torch.long).to(device)
+        req, pos, draft_row = tokens[0], tokens[1], tokens[2]  # [num_draft_tokens of sampled requests]
+        ids = draft_token_ids.to(device)[draft_row]
+        target_p = target_probs[first[req] + pos, ids]
+        cols = ids if draft_vocab_ids is None else torch.searchsorted(draft_vocab_ids, ids)
+        draft_p = draft_probs[draft_row, cols]
+        uniform = keyed_uniforms(seeds[req], _keyed_offsets(draw_index[req], pos))
+        rejected_at = torch.where(uniform * draft_p < target_p, k[req], pos)  # the request's k where accepted
+        num_accepted = num_accepted.scatter_reduce(0, req, rejected_at, reduce="amin")
+    # The recovered token's residual at the first rejection, or the bonus row after k accepted.
+    dist = target_probs[first + num_accepted]  # [num_sampled, vocab_size]
+    is_rejected = num_accepted < k
+    if bool(is_rejected.any()):
+        # A request's row at its first rejection (any valid row where it rejected none).
+        draft_rows = torch.tensor(cu_num_draft_tokens[:-1], dtype=torch.long).to(device)[req_ids] \
+            + num_accepted.clamp(max=(k - 1).clamp(min=0))
+        draft_rows = draft_rows.clamp(max=draft_probs.shape[0] - 1)
+        draft_dense = draft_probs[draft_rows].float()
+        if draft_vocab_ids is not None:
+            draft_dense = torch.zeros(len(sampled), vocab_size, dtype=draft_dense.dtype,
+                                      device=device).index_copy_(1, draft_vocab_ids, draft_dense)
+        residual = (dist - draft_dense).clamp(min=0)
+        # No mass left only if the distributions are equal, where rejection has probability 0.
+        use_residual = is_rejected & (residual.sum(dim=-1) > 0)
+        dist = torch.where(use_residual[:, None], residual, dist)
+    extra_uniform = keyed_uniforms(seeds, _keyed_offsets(draw_index, torch.full_like(draw_index,
+                                                                                      KEYED_DRAWS_PER_STEP - 1)))
+    extra = _search_cdf(dist, extra_uniform.unsqueeze(1))  # [num_sampled]
+    accepted_list, extra_list = num_accepted.tolist(), extra.tolist()
+    for j, i in enumerate(sampled):
+        n = accepted_list[j]
+        outputs[i] = draft_list[cu_num_draft_tokens[i]:cu_num_draft_tokens[i] + n] + [extra_list[j]]
+        accepted[i] = n
+    return BatchVerificationResult(outputs, accepted, num_drafts)
+
+
+def reference_rejection_sample_keyed(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int],
+                                     target_logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
+                                     draft_probs: torch.Tensor | None = None,
+                                     draft_vocab_ids: torch.Tensor | None = None) -> BatchVerificationResult:
+    """:func:`rejection_sample_keyed` one request at a time, as :func:`verify_sampled` runs:
+    its twin, with the same keyed uniforms."""
+    outputs, accepted, drafted = [], [], []
+    for i, p in enumerate(params):
+        start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
+        k = end - start
+        rows = target_logits[start + i:end + i + 1]  # [k + 1, vocab_size]
+        if p.is_greedy:
+            tokens = _accept_greedy(draft_token_ids[start:end].tolist(), greedy_ids(rows).tolist())
+            n = len(tokens) - 1
+        else:
+            probs = batched_probs(rows, [p] * (k + 1))
+            seed, draw_index = keys[i, 0], keys[i, 1]
+            positions = torch.arange(k)
+            uniform = keyed_uniforms(seed.expand(k), _keyed_offsets(draw_index.expand(k), positions))
+            n = _num_accepted(draft_token_ids[start:end], draft_probs[start:end] if k else probs[:0], probs,
+                              uniform, draft_vocab_ids if k else None)
+            dist = probs[n]
+            if n < k:
+                residual = (probs[n] - draft_probs[start + n]).clamp(min=0) if draft_vocab_ids is None else \
+                    probs[n].index_add(0, draft_vocab_ids, draft_probs[start + n], alpha=-1).clamp(min=0)
+                dist = residual if bool(residual.sum() > 0) else probs[n]
+            extra_u = keyed_uniforms(seed.view(1), _keyed_offsets(draw_index.view(1),
+                                                                  torch.tensor([KEYED_DRAWS_PER_STEP - 1])))
+            tokens = draft_token_ids[start:start + n].tolist() + [int(_search_cdf(dist[None], extra_u[:, None]))]
         outputs.append(tokens)
         accepted.append(n)
         drafted.append(k)

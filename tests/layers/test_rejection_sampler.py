@@ -6,7 +6,8 @@ import torch
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.sampler import logits_to_probs
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.layers.rejection_sampler import (rejection_sample_batch, reference_verify_sampled, verify_greedy,
+from fastdraft.layers.rejection_sampler import (reference_rejection_sample_keyed, reference_verify_sampled,
+                                              rejection_sample_batch, rejection_sample_keyed, verify_greedy,
                                               verify_sampled)
 
 # verify_sampled runs the C++ rejection_sample on the CPU; its twin runs torch ops. Both must
@@ -199,3 +200,65 @@ def test_batched_rejection_sampler_rejects_inconsistent_shapes():
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_sample_batch(torch.tensor([1]), [0, 1], torch.zeros(2, 5), [SamplingParams(temperature=1.0)],
                                [None])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("is_part_vocab", [False, True])
+def test_keyed_rejection_sampler_equals_its_request_by_request_twin(seed, is_part_vocab):
+    """All sampled requests at once with keyed uniforms: what each gets verified alone with the
+    same keys, greedy requests included, a request without drafts last, the draft's head over
+    all of the vocabulary or part of it."""
+    ks, cu, params, target_logits, draft_probs, draft_ids = _batch_case(seed)
+    ks, cu = ks + [0], cu + [cu[-1]]
+    params = params + [SamplingParams(temperature=0.9, seed=5)]
+    target_logits = torch.cat([target_logits, torch.randn(1, target_logits.shape[1])])
+    vocab_ids = None
+    if is_part_vocab:  # the draft's head covers the even ids, and its tokens are among them
+        vocab_ids = torch.arange(0, target_logits.shape[1], 2)
+        draft_probs = torch.softmax(torch.randn(cu[-1], len(vocab_ids), generator=torch.Generator().manual_seed(seed)),
+                                    dim=-1)
+        draft_ids = vocab_ids[torch.multinomial(draft_probs, 1, generator=torch.Generator().manual_seed(seed))[:, 0]]
+    keys = torch.tensor([[seed * 10 + i, 7 + i] for i in range(len(params))])
+    got = rejection_sample_keyed(draft_ids, cu, target_logits, params, keys, draft_probs, vocab_ids)
+    want = reference_rejection_sample_keyed(draft_ids, cu, target_logits, params, keys, draft_probs, vocab_ids)
+    assert got.output_token_ids == want.output_token_ids
+    assert got.num_accepted == want.num_accepted and got.num_draft == ks
+    # Another draw index draws other uniforms: some outcome changes over a few.
+    others = [rejection_sample_keyed(draft_ids, cu, target_logits, params, keys + torch.tensor([0, d]), draft_probs,
+                                     vocab_ids).output_token_ids for d in range(1, 6)]
+    assert any(o != got.output_token_ids for o in others)
+
+
+def test_keyed_rejection_sampler_follows_each_requests_target_distribution():
+    vocab, ks = 8, [1, 2, 3]
+    gen = torch.Generator().manual_seed(0)
+    targets = [torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=0) for _ in ks]
+    drafts = [torch.softmax(torch.randn(k, vocab, generator=gen) * 2, dim=-1) for k in ks]
+    cu = [0, 1, 3, 6]
+    target_logits = torch.cat([t.log().expand(k + 1, vocab) for t, k in zip(targets, ks)])
+    draft_probs = torch.cat(drafts)  # [6, vocab]
+    params = [SamplingParams(temperature=1.0)] * len(ks)
+    counts = torch.zeros(len(ks), vocab)
+    for trial in range(4000):
+        draft_ids = torch.stack([torch.multinomial(row, 1, generator=gen)[0] for row in draft_probs])
+        keys = torch.tensor([[10 + i, trial] for i in range(len(ks))])  # each request's next draw index
+        result = rejection_sample_keyed(draft_ids, cu, target_logits, params, keys, draft_probs)
+        for i, tokens in enumerate(result.output_token_ids):
+            for token in tokens:
+                counts[i, token] += 1
+    for i, target in enumerate(targets):
+        empirical = counts[i] / counts[i].sum()
+        assert 0.5 * (empirical - target).abs().sum().item() < 0.03  # total variation
+        assert 0.5 * (drafts[i][0] - target).abs().sum().item() > 0.1  # the draft alone would fail
+
+
+def test_keyed_rejection_sampler_checks_its_inputs():
+    with pytest.raises(ValueError, match="target rows"):
+        rejection_sample_keyed(torch.tensor([1, 2]), [0, 2], torch.zeros(2, 5), [SamplingParams()],
+                               torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="one key"):
+        rejection_sample_keyed(torch.tensor([1]), [0, 1], torch.zeros(2, 5), [SamplingParams()],
+                               torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample_keyed(torch.tensor([1]), [0, 1], torch.zeros(2, 5), [SamplingParams(temperature=1.0)],
+                               torch.zeros(1, 2, dtype=torch.long))
