@@ -16,7 +16,7 @@ from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.structured import StructuredOutputs
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span, flat_batch
-from fastdraft.layers.rejection_sampler import rejection_sample_batch
+from fastdraft.layers.rejection_sampler import rejection_sample_batch, rejection_sample_keyed
 from fastdraft.layers.sampler import apply_extras, changes_logits, make_generator, sample_batch
 from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.models.llama import LlamaForCausalLM
@@ -212,9 +212,13 @@ class ModelRunner:
         # A draft on another device (a CPU draft beside a CUDA target) hands its rows over.
         draft_probs, draft_vocab_ids = (None if t is None else t.to(logits.device)
                                         for t in (output.draft_probs, output.draft_vocab_ids))
-        result = rejection_sample_batch(draft_ids, cu_num_draft_tokens, logits[verify_rows],
-                                        [seq.params for seq in drafting], [self.generator(seq) for seq in drafting],
-                                        draft_probs, draft_vocab_ids)
+        params = [seq.params for seq in drafting]
+        if self.keyed_sampling:  # every request at once, uniforms from the keyed streams
+            result = rejection_sample_keyed(draft_ids, cu_num_draft_tokens, logits[verify_rows], params,
+                                            self._keys(drafting), draft_probs, draft_vocab_ids)
+        else:
+            result = rejection_sample_batch(draft_ids, cu_num_draft_tokens, logits[verify_rows], params,
+                                            [self.generator(seq) for seq in drafting], draft_probs, draft_vocab_ids)
         for seq, tokens in zip(drafting, result.output_token_ids):
             new_token_ids[seq.seq_id] = tokens
         return logits[plain_rows]

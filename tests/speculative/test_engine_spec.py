@@ -197,9 +197,11 @@ class _UniformOverSupport:
         pass
 
 
-def test_batched_speculative_sampling_follows_the_target_distribution(target):
+@pytest.mark.parametrize("is_keyed", [False, True], ids=["generators", "keyed"])
+def test_batched_speculative_sampling_follows_the_target_distribution(target, is_keyed):
     """Through the engine's batched steps (drafting, flat verification, recovered and bonus
-    tokens, rollback) the joint distribution of the first three new tokens is the target's."""
+    tokens, rollback) the joint distribution of the first three new tokens is the target's:
+    with a generator per request (the CPU's way) and with keyed streams (the GPU's)."""
     params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
     prompt_ids = target.tokenizer.encode(PROMPTS[0])
     memo = {}
@@ -218,6 +220,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target):
                     exact[(a, b, c)] = p_a * p_b * p_c
     torch.manual_seed(0)
     engine = _engine(target, _UniformOverSupport(next_probs), num_blocks=256, max_num_seqs=64)
+    engine.runner.keyed_sampling = is_keyed
     num_samples, counts = 2400, {}
     num_draft = num_accepted = 0
     for _ in range(num_samples // 64 + 1):
@@ -231,6 +234,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target):
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(key, 0) / total - p) for key, p in exact.items())
     assert tv < 0.06, f"total variation {tv:.3f} from the target's distribution"
+    assert bool(engine.runner._generators) != is_keyed  # keyed: no generator was made
 
 
 def test_text_generator_speculates_through_the_engine(target):
