@@ -11,10 +11,12 @@ import torch
 
 from fastdraft.generator import TextGenerator
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+from fastdraft.engine import model_runner
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.sequence import Sequence
 from fastdraft.engine.speculation import DraftBatch, Speculator
 from fastdraft.layers.kv_cache import SequenceCache
+from fastdraft.layers.rejection_sampler import rejection_sample_keyed
 from fastdraft.layers.sampler import logits_to_probs, sample_from_probs
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.speculative.speculative_config import SpeculativeConfig
@@ -198,7 +200,7 @@ class _UniformOverSupport:
 
 
 @pytest.mark.parametrize("is_keyed", [False, True], ids=["generators", "keyed"])
-def test_batched_speculative_sampling_follows_the_target_distribution(target, is_keyed):
+def test_batched_speculative_sampling_follows_the_target_distribution(target, is_keyed, monkeypatch):
     """Through the engine's batched steps (drafting, flat verification, recovered and bonus
     tokens, rollback) the joint distribution of the first three new tokens is the target's:
     with a generator per request (the CPU's way) and with keyed streams (the GPU's)."""
@@ -221,8 +223,9 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target, is
     torch.manual_seed(0)
     engine = _engine(target, _UniformOverSupport(next_probs), num_blocks=256, max_num_seqs=64)
     engine.runner.keyed_sampling = is_keyed
-    if is_keyed:  # no generator per request on this path
-        engine.runner.generator = lambda seq: pytest.fail("a keyed step made a generator")
+    keyed_calls = []
+    monkeypatch.setattr(model_runner, "rejection_sample_keyed",
+                        lambda *args: keyed_calls.append(1) or rejection_sample_keyed(*args))
     num_samples, counts = 2400, {}
     num_draft = num_accepted = 0
     for _ in range(num_samples // 64 + 1):
@@ -236,6 +239,7 @@ def test_batched_speculative_sampling_follows_the_target_distribution(target, is
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(key, 0) / total - p) for key, p in exact.items())
     assert tv < 0.06, f"total variation {tv:.3f} from the target's distribution"
+    assert bool(keyed_calls) == is_keyed  # the keyed verification ran exactly where asked
 
 
 def test_text_generator_speculates_through_the_engine(target):
