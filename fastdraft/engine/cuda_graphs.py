@@ -89,6 +89,7 @@ class DecodeGraphs:
         size = self.buckets[-1]
         self.max_batch = size
         # One int32 layout for the largest bucket; a smaller bucket reads the prefix of each part.
+        # The block tables come last, so that a step copies only up to its bucket's rows.
         parts = {"input_ids": size, "positions": size, "slot_mapping": size, "seq_lens": size,
                  "query_start_loc": size + 1, "block_tables": size * self.max_blocks}
         self._offsets, total = {}, 0
@@ -164,8 +165,12 @@ class DecodeGraphs:
         bucket = bucket_for(num_seqs, self.buckets)
         if bucket is None or not num_seqs:
             raise ValueError(f"a graph step takes 1..{self.max_batch} sequences, got {num_seqs}")
+        if max(positions) >= self.max_model_len:
+            raise ValueError(f"a graph step takes positions below max_model_len {self.max_model_len}")
         self._fill(token_ids, positions, block_tables, bucket)
-        # The previous step's copy has finished: its tokens were read back before this step.
-        self._inputs.copy_(self._staging, non_blocking=True)
+        # One copy up to the bucket's last block-table row (the tables are the layout's last
+        # part). The previous step's copy has finished: its tokens were read back before this step.
+        end = self._offsets["block_tables"][0] + bucket * self.max_blocks
+        self._inputs[:end].copy_(self._staging[:end], non_blocking=True)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:num_seqs]

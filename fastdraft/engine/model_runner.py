@@ -131,11 +131,11 @@ class ModelRunner:
             return None
 
     @torch.inference_mode()
-    def time_pass(self, num_seqs: int, context_len: int, repeats: int = 3) -> float:
+    def time_pass(self, num_seqs: int, context_len: int, repeats: int = 3, use_graphs: bool = False) -> float:
         """Median seconds of a pass of ``num_seqs`` one-token sequences, each after
         ``context_len`` cached tokens, every row computing logits: a decode step (the
-        speculative cost model's calibration). Runs on blocks borrowed from the pool, which
-        must have them free."""
+        speculative cost model's calibration), eager, or with ``use_graphs`` through the decode
+        graphs where they take it. Runs on blocks borrowed from the pool, which must have them free."""
         block_size = self.block_manager.block_size
         seqs = [Sequence([0] * (context_len + 1)) for _ in range(num_seqs)]
         for seq in seqs:
@@ -147,7 +147,8 @@ class ModelRunner:
             input_ids, meta = flat_batch([Span([0], context_len, seq.block_table) for seq in seqs], block_size,
                                          self.model.device)
             rows = list(range(num_seqs))
-            is_graph = self.graphs is not None and num_seqs <= self.graphs.max_batch  # as a decode step runs
+            is_graph = (use_graphs and self.graphs is not None and num_seqs <= self.graphs.max_batch
+                        and context_len < self.graphs.max_model_len)
             times = []
             for _ in range(repeats + 1):  # the first pass warms up
                 start = time.perf_counter()

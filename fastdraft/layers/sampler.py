@@ -243,7 +243,10 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        # A tensor, not a Python float: CUDA multiplies by a scalar's reciprocal instead of
+        # dividing, and the batched apply_extras divides by a tensor on every device.
+        penalty = torch.tensor(params.repetition_penalty, dtype=logits.dtype, device=logits.device)
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)

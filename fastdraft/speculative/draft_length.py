@@ -28,6 +28,10 @@ on later steps reuses it. Such a sequence joins after the others are chosen, wit
 length that helps the step most, if any does. And speculation must beat plain decoding by
 ``margin`` (5%): a choice that only breaks even on timed costs loses to the overheads they
 leave out (building a draft batch, sampling it) and to timing noise.
+
+On a GPU a plain decode step replays a CUDA graph while a verification runs eagerly, several
+times slower at a small model's sizes: the plain step then has a curve of its own
+(``plain_cost``), and drafting must beat the graph, not the eager pass.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class _Step:
     def __init__(self, policy: "DraftLengthPolicy", num_step_tokens: int, num_seqs: int) -> None:
         self.policy = policy
         self.num_step_tokens = num_step_tokens
+        self.is_pure_decode = num_step_tokens == num_seqs  # no other sequence's tokens in the step
         self.tokens = float(num_seqs)
         self.num_draft = 0
         self.num_drafting = [0] * (policy.k_max + 1)  # [r]: sequences drafting at least r tokens
@@ -111,6 +116,7 @@ class _Step:
 
     def copy(self) -> "_Step":
         other = _Step(self.policy, self.num_step_tokens, 0)
+        other.is_pure_decode = self.is_pure_decode
         other.tokens, other.num_draft, other.extra_seconds = self.tokens, self.num_draft, self.extra_seconds
         other.num_drafting = list(self.num_drafting)
         return other
@@ -124,7 +130,12 @@ class _Step:
         self.tokens += gain
 
     def rate(self) -> float:
-        return self.tokens / (self.policy.target_cost(self.num_step_tokens + self.num_draft) + self.extra_seconds)
+        policy = self.policy
+        if not self.num_draft and policy.plain_cost is not None and self.is_pure_decode:
+            seconds = policy.plain_cost(self.num_step_tokens)  # a plain decode step, replayed from a graph
+        else:
+            seconds = policy.target_cost(self.num_step_tokens + self.num_draft)
+        return self.tokens / (seconds + self.extra_seconds)
 
 
 class DraftLengthPolicy:
@@ -135,13 +146,16 @@ class DraftLengthPolicy:
 
     def __init__(self, k_max: int, target_cost: PassCost, draft_cost: PassCost, is_adaptive: bool = True,
                  prior: float = 0.7, prior_trials: float = 4.0, ema: float = 0.9, margin: float = 0.05,
-                 pending_tokens: Callable[[Sequence], int] = lambda seq: 0) -> None:
+                 pending_tokens: Callable[[Sequence], int] = lambda seq: 0,
+                 plain_cost: PassCost | None = None) -> None:
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 < ema < 1.0 or not 0.0 <= prior <= 1.0 or prior_trials <= 0 or margin < 0:
             raise ValueError("need 0 < ema < 1, 0 <= prior <= 1, prior_trials > 0 and margin >= 0")
         self.k_max = k_max
         self.target_cost, self.draft_cost = target_cost, draft_cost
+        # A plain decode step that runs another way than verification (a CUDA graph): its own curve.
+        self.plain_cost = plain_cost
         self.is_adaptive = is_adaptive
         self.margin = margin
         # Tokens the draft must compute for a sequence before its first draft token.

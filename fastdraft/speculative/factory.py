@@ -42,16 +42,20 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: Mod
     timed now (a few passes, about a second)."""
     proposer = build_proposer(config, target, runner, draft)
     target_cost = draft_cost = FREE
+    plain_cost = None
     if config.is_adaptive:  # a fixed draft length needs no costs
         max_tokens = max_num_seqs * (config.num_speculative_tokens + 1)
-        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n),
-                                        min(64, max_tokens, runner.block_manager.num_free_blocks))
+        free_blocks = runner.block_manager.num_free_blocks
+        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n), min(64, max_tokens, free_blocks))
+        if runner.graphs is not None:  # plain decode steps replay graphs, verifications run eagerly
+            plain_cost = measure_pass_cost(lambda n: _time_pass(runner, n, use_graphs=True),
+                                           min(64, max_num_seqs, runner.graphs.max_batch, free_blocks))
         if isinstance(proposer, DraftModelProposer):
             # A draft pass holds no more rows than the target's (one per drafting sequence).
             draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
                                            min(64, max_tokens, proposer.runner.block_manager.num_free_blocks))
     policy = DraftLengthPolicy(config.num_speculative_tokens, target_cost, draft_cost, config.is_adaptive,
-                               pending_tokens=proposer.pending_tokens)
+                               pending_tokens=proposer.pending_tokens, plain_cost=plain_cost)
     return Speculator(proposer, policy)
 
 
@@ -59,11 +63,11 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: Mod
 _TIMING_CONTEXT = 128
 
 
-def _time_pass(runner: ModelRunner, num_seqs: int) -> float:
+def _time_pass(runner: ModelRunner, num_seqs: int, use_graphs: bool = False) -> float:
     """Seconds of a decode pass of ``num_seqs`` sequences, with as much context as fits."""
     pool_tokens = runner.block_manager.num_free_blocks * runner.block_manager.block_size
     context = min(_TIMING_CONTEXT, pool_tokens // num_seqs - runner.block_manager.block_size)
-    return runner.time_pass(num_seqs, max(context, 0))
+    return runner.time_pass(num_seqs, max(context, 0), use_graphs=use_graphs)
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -190,3 +190,24 @@ def test_engine_decodes_the_same_tokens_with_graphs_and_eagerly(tiny_models, dty
                                use_tqdm=False)
         outputs.append([out.outputs[0].token_ids for out in results])
     assert outputs[0] == outputs[1]
+
+
+@needs_triton
+@torch.inference_mode()
+def test_time_pass_replays_the_graphs_where_they_take_the_pass(tiny_models, monkeypatch):
+    """The speculative cost model's plain-step timing goes through the graphs, and falls back to
+    an eager pass for a context the graphs do not hold."""
+    loaded = load_model(tiny_models.dir("llama"), dtype="fp32", device=DEVICE)
+    manager = BlockManager(12, BLOCK_SIZE, enable_prefix_caching=False)
+    cache = PagedKVCache.from_config(loaded.config, 13, BLOCK_SIZE, dtype=torch.float32, device=DEVICE)
+    runner = ModelRunner(loaded.model, cache, manager, batch_invariant=False)
+    if DEVICE == "cpu":
+        runner.decoder = CudaDecoder(loaded.model, loaded.model.dtype, loaded.model.device, loaded.model.min_rows)
+    assert runner.capture_graphs(max_num_seqs=2, max_model_len=32, graph_type=GRAPH_TYPE)
+    replays = []
+    monkeypatch.setattr(runner.graphs, "run", lambda *args: replays.append(args))
+    runner.time_pass(2, 20, repeats=1, use_graphs=True)
+    assert len(replays) == 2  # the warm-up and one timed pass
+    runner.time_pass(2, 40, repeats=1, use_graphs=True)  # past max_model_len: eager
+    runner.time_pass(1, 20, repeats=1)  # eager unless asked
+    assert len(replays) == 2 and manager.num_free_blocks == 12

@@ -405,3 +405,17 @@ def test_config_validation():
             SpeculativeConfig(draft_device="cuda")
 
 
+
+
+def test_policy_weighs_drafting_against_the_plain_steps_own_curve():
+    """Where plain decode steps replay a graph and verifications run eagerly, drafting must beat
+    the cheaper plain step: the same acceptance that pays against the eager pass does not pay
+    against a plain step five times cheaper."""
+    target_cost = PassCost([(1, 10.0), (8, 10.0), (64, 64.0)])  # eager: verification's cost
+    draft_cost = PassCost([(1, 1.0), (64, 1.0)])
+    eager_only = DraftLengthPolicy(4, target_cost, draft_cost, prior=0.5)
+    assert eager_only.draft_lengths(_seqs(1), 1) != [0]
+    with_graphs = DraftLengthPolicy(4, target_cost, draft_cost, prior=0.5, plain_cost=PassCost([(1, 2.0), (64, 2.0)]))
+    assert with_graphs.draft_lengths(_seqs(1), 1) == [0]
+    # A step that also carries another sequence's prefill runs eagerly: the eager curve applies.
+    assert with_graphs.draft_lengths(_seqs(1), 40) == eager_only.draft_lengths(_seqs(1), 40)
