@@ -11,6 +11,8 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/layers/test_triton_attention.py tests/layers/test_triton_ops.py tests/models/test_cuda.py \
     tests/models/test_cuda_decoder.py tests/engine/test_cuda_graphs.py tests/speculative/test_cuda_spec.py \
+    tests/layers/test_rejection_sampler.py::test_keyed_rejection_sampler_equals_its_twin_on_cuda \
+    tests/layers/test_sampler.py::test_batched_extras_equal_the_twin_on_cuda \
     2>&1 | tee "$out/tests.txt" | tail -25
 timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --random-weights qwen2.5-coder-0.5b-instruct \
     --num-seqs 1,64 --quant none,int4 --modes graphs,eager --profile --profile-tables /tmp/gpu_profiles \

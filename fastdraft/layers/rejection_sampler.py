@@ -328,7 +328,7 @@ def reference_rejection_sample_keyed(draft_token_ids: torch.Tensor, cu_num_draft
         else:
             probs = batched_probs(rows, [p] * (k + 1))
             seed, draw_index = keys[i, 0], keys[i, 1]
-            positions = torch.arange(k)
+            positions = torch.arange(k, device=keys.device)
             uniform = keyed_uniforms(seed.expand(k), _keyed_offsets(draw_index.expand(k), positions))
             n = _num_accepted(draft_token_ids[start:end], draft_probs[start:end] if k else probs[:0], probs,
                               uniform, draft_vocab_ids if k else None)
@@ -338,7 +338,8 @@ def reference_rejection_sample_keyed(draft_token_ids: torch.Tensor, cu_num_draft
                     probs[n].index_add(0, draft_vocab_ids, draft_probs[start + n], alpha=-1).clamp(min=0)
                 dist = residual if bool(residual.sum() > 0) else probs[n]
             extra_u = keyed_uniforms(seed.view(1), _keyed_offsets(draw_index.view(1),
-                                                                  torch.tensor([KEYED_DRAWS_PER_STEP - 1])))
+                                                                  torch.tensor([KEYED_DRAWS_PER_STEP - 1],
+                                                                               device=keys.device)))
             tokens = draft_token_ids[start:start + n].tolist() + [int(_search_cdf(dist[None], extra_u[:, None]))]
         outputs.append(tokens)
         accepted.append(n)

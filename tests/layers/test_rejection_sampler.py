@@ -245,3 +245,14 @@ def test_keyed_rejection_sampler_checks_its_inputs():
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_sample_keyed(torch.tensor([1]), [0, 1], torch.zeros(2, 5), [SamplingParams(temperature=1.0)],
                                torch.zeros(1, 2, dtype=torch.long))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_keyed_rejection_sampler_equals_its_twin_on_cuda(seed):
+    ks, cu, params, target_logits, draft_probs, draft_ids = _batch_case(seed)
+    keys = torch.tensor([[seed * 10 + i, 3 + i] for i in range(len(params))], device="cuda")
+    args = (draft_ids.cuda(), cu, target_logits.cuda(), params, keys, draft_probs.cuda())
+    got, want = rejection_sample_keyed(*args), reference_rejection_sample_keyed(*args)
+    assert got.output_token_ids == want.output_token_ids and got.num_accepted == want.num_accepted

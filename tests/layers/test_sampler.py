@@ -288,3 +288,15 @@ def test_batched_extras_equal_the_row_by_row_twin():
     assert not torch.equal(got[0], logits[0]) and not torch.equal(got[1], logits[1])
     assert got[3, 2] == float("-inf") and torch.equal(got[4], logits[4])
     assert [changes_logits(p) for p in params] == [True] * 6 and not changes_logits(SamplingParams(logprobs=3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_extras_equal_the_twin_on_cuda():
+    torch.manual_seed(4)
+    logits = (torch.randn(3, 64) * 3).cuda()
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.2), SamplingParams(logit_bias={5: 2.0}),
+              SamplingParams(min_tokens=3, frequency_penalty=0.7)]
+    prompts, outputs = [[1, 2, 3], [4], [9, 9]], [[3, 7, 7], [], [2]]
+    got = apply_extras(logits, params, prompts, outputs, [2])
+    assert torch.equal(got, reference_apply_extras(logits, params, prompts, outputs, [2]))
