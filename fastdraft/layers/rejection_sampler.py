@@ -137,6 +137,26 @@ def _check_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: list[int], 
                          f"{target_logits.shape[0]}")
 
 
+def _target_rows(cu_num_draft_tokens: list[int], requests: list[int]) -> list[int]:
+    """The rows of ``requests`` in a batch's target logits (request ``i``'s ``k_i + 1`` rows start
+    at ``cu_num_draft_tokens[i] + i``), in order."""
+    return [r for i in requests for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
+
+
+def _verify_greedy_requests(draft_list: list[int], cu_num_draft_tokens: list[int], target_logits: torch.Tensor,
+                            requests: list[int]) -> dict[int, list[int]]:
+    """The greedy ``requests`` of a batch verified by one argmax over all their rows: each one's
+    accepted draft tokens and the target's next token, by request index."""
+    rows = _target_rows(cu_num_draft_tokens, requests)
+    target_ids = greedy_ids(target_logits[rows]).tolist() if rows else []  # [num_greedy_rows]
+    tokens, offset = {}, 0
+    for i in requests:
+        start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
+        tokens[i] = _accept_greedy(draft_list[start:end], target_ids[offset:offset + end - start + 1])
+        offset += end - start + 1
+    return tokens
+
+
 @dataclass
 class BatchVerificationResult:
     """Outcome of one verification step for every request of a batch, in request order."""
@@ -176,26 +196,22 @@ def rejection_sample_batch(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
                                        for i in range(num_reqs)):
         raise ValueError("sampled requests with draft tokens need draft_probs")
 
-    def rows_of(is_greedy_wanted: bool) -> list[int]:  # the target rows of those requests, in order
-        return [r for i in range(num_reqs) if is_greedy[i] == is_greedy_wanted
-                for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
-
-    greedy_rows, sampled_rows = rows_of(True), rows_of(False)
-    target_ids = greedy_ids(target_logits[greedy_rows]).tolist() if greedy_rows else []  # [num_greedy_rows]
+    draft_list = draft_token_ids.tolist()
+    greedy_tokens = _verify_greedy_requests(draft_list, cu_num_draft_tokens, target_logits,
+                                            [i for i in range(num_reqs) if is_greedy[i]])
+    sampled_rows = _target_rows(cu_num_draft_tokens, [i for i in range(num_reqs) if not is_greedy[i]])
     target_probs = None
     if sampled_rows:  # [num_sampled_rows, vocab_size], each row with its request's parameters
         row_params = [params[i] for i in range(num_reqs) if not is_greedy[i]
                       for _ in range(cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i] + 1)]
         target_probs = batched_probs(target_logits[sampled_rows], row_params)
-    draft_list = draft_token_ids.tolist()
     outputs, accepted, drafted = [], [], []
-    greedy_start = sampled_start = 0
+    sampled_start = 0
     for i in range(num_reqs):
         start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
         k = end - start
         if is_greedy[i]:
-            tokens = _accept_greedy(draft_list[start:end], target_ids[greedy_start:greedy_start + k + 1])
-            greedy_start += k + 1
+            tokens = greedy_tokens[i]
             n = len(tokens) - 1
         else:
             probs = target_probs[sampled_start:sampled_start + k + 1]  # [k + 1, vocab_size]
@@ -243,17 +259,9 @@ def rejection_sample_keyed(draft_token_ids: torch.Tensor, cu_num_draft_tokens: l
     if draft_probs is None and any(num_drafts[i] for i in sampled):
         raise ValueError("sampled requests with draft tokens need draft_probs")
     draft_list = draft_token_ids.tolist()
-    outputs: list[list[int]] = [[] for _ in range(num_reqs)]
-    accepted = [0] * num_reqs
-    if greedy:  # one argmax over every greedy request's rows
-        rows = [r for i in greedy for r in range(cu_num_draft_tokens[i] + i, cu_num_draft_tokens[i + 1] + i + 1)]
-        target_ids = greedy_ids(target_logits[rows]).tolist()
-        offset = 0
-        for i in greedy:
-            start, end = cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1]
-            outputs[i] = _accept_greedy(draft_list[start:end], target_ids[offset:offset + end - start + 1])
-            accepted[i] = len(outputs[i]) - 1
-            offset += end - start + 1
+    greedy_tokens = _verify_greedy_requests(draft_list, cu_num_draft_tokens, target_logits, greedy)
+    outputs = [greedy_tokens.get(i, []) for i in range(num_reqs)]
+    accepted = [len(tokens) - 1 if i in greedy_tokens else 0 for i, tokens in enumerate(outputs)]
     if not sampled:
         return BatchVerificationResult(outputs, accepted, num_drafts)
     device = target_logits.device
