@@ -51,14 +51,15 @@ def applies(q: torch.Tensor, k_blocks: torch.Tensor) -> bool:
             and q.shape[-1] >= MIN_TILE_ROWS and k_blocks.stride(3) == 1)
 
 
-def _next_power_of_two(n: int) -> int:
+def next_power_of_two(n: int) -> int:
+    """The least power of two at or above ``n`` (1 for 0): Triton's block shapes are powers of two."""
     return 1 << max(n - 1, 0).bit_length()
 
 
 def split_chunk_keys(num_seqs: int) -> int:
     """Keys per split chunk for a step of ``num_seqs`` sequences (0: no split). By the
     batch-size bucket only, so that a sequence's chunks never depend on its batch mates."""
-    bucket = _next_power_of_two(num_seqs)
+    bucket = next_power_of_two(num_seqs)
     return 0 if bucket > MAX_SPLIT_BATCH else SPLIT_CHUNK_KEYS * bucket
 
 
@@ -220,8 +221,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks:
     _write_kv_kernel[(num_tokens,)](
         k, v, k_blocks, v_blocks, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_blocks.stride(0), k_blocks.stride(1),
-        k_blocks.stride(2), NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_two(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=_next_power_of_two(head_dim), BLOCK_SIZE=k_blocks.shape[2])
+        k_blocks.stride(2), NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=next_power_of_two(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_two(head_dim), BLOCK_SIZE=k_blocks.shape[2])
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
@@ -241,10 +242,10 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0:
         return out
-    block_m = max(MIN_TILE_ROWS, _next_power_of_two(group))
+    block_m = max(MIN_TILE_ROWS, next_power_of_two(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
-    head_dim_pad = _next_power_of_two(head_dim)
+    head_dim_pad = next_power_of_two(head_dim)
     split_keys = split_chunk_keys(num_seqs)
     num_splits = -(-max_seq_len // split_keys) if split_keys else 1
     is_split = num_splits > 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.kernels.triton_attention import is_available, next_power_of_two
+
 try:
     import triton
     import triton.language as tl
@@ -19,14 +21,7 @@ except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
 
-
-def is_available() -> bool:
-    """Whether Triton is installed (a GPU, or ``TRITON_INTERPRET=1``, must then run it)."""
-    return triton is not None
-
-
-def _block(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+__all__ = ["is_available", "rms_norm", "rotary_", "silu_and_mul"]
 
 
 if triton is not None:
@@ -107,7 +102,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if num_rows:
         r = x if residual is None else _rows(residual)
         _rms_norm_kernel[(num_rows,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), num_cols, eps,
-                                      HAS_RESIDUAL=residual is not None, BLOCK=_block(num_cols))
+                                      HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_two(num_cols))
     return out
 
 
@@ -117,7 +112,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows:
-        block = min(1024, _block(n))
+        block = min(1024, next_power_of_two(n))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
@@ -132,6 +127,6 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     if num_tokens:
         half = head_dim // 2
         _rotary_kernel[(num_tokens,)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                      NUM_HEADS=num_heads, NUM_HEADS_PAD=_block(num_heads), HALF=half,
-                                      HALF_PAD=_block(half))
+                                      NUM_HEADS=num_heads, NUM_HEADS_PAD=next_power_of_two(num_heads), HALF=half,
+                                      HALF_PAD=next_power_of_two(half))
     return x
