@@ -21,7 +21,7 @@ from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.fused_decoder import FusedDecoder
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.data import SELECTION_CODE_FILES, calibration_samples, stdlib_root
 from fastdraft.quant.quantizer import quantize_model
@@ -31,7 +31,7 @@ from fastdraft.speculative.factory import prepare_draft
 
 
 @torch.inference_mode()
-def next_token_logits(model: LlamaForCausalLM, prompt: list[int], new_ids: list[int],
+def next_token_logits(model: CausalLM, prompt: list[int], new_ids: list[int],
                       decoder: FusedDecoder | None) -> torch.Tensor:
     """Logits [len(new_ids), vocab] that predict each of ``new_ids`` after ``prompt``, through
     ``decoder`` (the model's C++ step, built once per model: building packs its weights) or,

@@ -19,7 +19,7 @@ from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache, Span
 from fastdraft.layers.rejection_sampler import rejection_sample_batch, rejection_sample_keyed
 from fastdraft.layers.sampler import apply_extras, changes_logits, make_generator, sample_batch
 from fastdraft.models.cuda_decoder import CudaDecoder
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 
 
 class ModelRunner:
@@ -32,7 +32,7 @@ class ModelRunner:
     logits do not either: with ``batch_invariant`` each step runs in
     :func:`~fastdraft.kernels.mode.batch_invariant` mode, where every kernel is row-invariant)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, block_manager: BlockManager,
                  eos_token_ids: frozenset[int] | set[int] | None = None, batch_invariant: bool = True) -> None:
         # The cache may hold blocks past the manager's: a CUDA graph's padding rows read one.
         if kv_cache.block_size != block_manager.block_size or kv_cache.num_blocks < block_manager.num_blocks:

@@ -9,7 +9,7 @@ from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.llm_engine import EngineConfig
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.layers.kv_cache import PagedKVCache
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 
 
 class DecodeStepTimer:
@@ -25,14 +25,14 @@ class DecodeStepTimer:
         self.context_len = context_len
         self.block_size = block_size
 
-    def time(self, model: LlamaForCausalLM) -> float:
+    def time(self, model: CausalLM) -> float:
         """Median decode step of ``model`` in milliseconds."""
         num_blocks = self.context_len // self.block_size + 1
         kv_cache = PagedKVCache.from_config(model.config, num_blocks, self.block_size, model.dtype, model.device)
         runner = ModelRunner(model, kv_cache, BlockManager(num_blocks, self.block_size, enable_prefix_caching=False))
         return runner.time_pass(1, self.context_len, repeats=self.num_steps) * 1e3
 
-    def time_interleaved(self, models: list[LlamaForCausalLM], num_rounds: int) -> list[float]:
+    def time_interleaved(self, models: list[CausalLM], num_rounds: int) -> list[float]:
         """Each model's median step (ms) over ``num_rounds`` rounds in which the models take
         turns, so that a slow or fast spell of a shared machine falls on all of them alike."""
         times: list[list[float]] = [[] for _ in models]

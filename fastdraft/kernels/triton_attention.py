@@ -15,7 +15,7 @@ by separate programs and merged by a second kernel. The chunk length depends onl
 batch-size bucket, and a sequence's number of chunks only on its own length: a request's result
 never depends on what else shares its step.
 
-The PyTorch twin is :func:`fastdraft.layers.attention.paged_attention`'s gather + SDPA path,
+The PyTorch twin is :func:`fastdraft.kernels.ops.attention_ops.reference_paged_attention`,
 which the tests compare with these kernels, on a GPU and through Triton's interpreter
 (``TRITON_INTERPRET=1``) on the CPU.
 """
@@ -45,7 +45,7 @@ def is_available() -> bool:
 
 
 def applies(q: torch.Tensor, k_blocks: torch.Tensor) -> bool:
-    """Whether :func:`paged_attention` runs for these tensors: on a GPU, with key blocks of a
+    """Whether :func:`triton_paged_attention` runs for these tensors: on a GPU, with key blocks of a
     multiple of 16 positions and heads of at least 16 dimensions (a ``tl.dot`` tile's least)."""
     return (triton is not None and q.is_cuda and k_blocks.shape[2] % MIN_TILE_ROWS == 0
             and q.shape[-1] >= MIN_TILE_ROWS and k_blocks.stride(3) == 1)
@@ -225,7 +225,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks:
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_two(head_dim), BLOCK_SIZE=k_blocks.shape[2])
 
 
-def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
+def triton_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a flat batch q [num_tokens, num_heads, head_dim] over paged k/v_blocks

@@ -3,7 +3,7 @@ it), rotary embedding by position, and SiLU-and-multiply, one launch each over a
 
 In eager PyTorch each of these is several launches (RMSNorm alone is seven), and a decode step
 of a small model is bound by launches, not bytes. Each kernel rounds to the storage dtype where
-its PyTorch twin in :mod:`fastdraft.kernels.fused` does, so results agree with the module path
+its PyTorch twin in :mod:`fastdraft.kernels.ops` and :mod:`fastdraft.kernels.fused` do, so results agree with the module path
 up to the order of one reduction (RMSNorm's sum of squares). The tests compare the two on a GPU
 and, without one, through Triton's interpreter (``TRITON_INTERPRET=1``).
 """
@@ -21,7 +21,7 @@ except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
 
-__all__ = ["is_available", "rms_norm", "rotary_", "silu_and_mul"]
+__all__ = ["is_available", "rotary_", "triton_rms_norm", "triton_silu_and_mul"]
 
 
 if triton is not None:
@@ -92,7 +92,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of rows x [num_rows, hidden] scaled by ``weight``; with ``residual`` (same shape),
     first ``residual += x`` in place and normalize the sum (the decoder's add + norm)."""
@@ -106,7 +106,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Rows ``x = [gate | up]`` [num_rows, 2 * n] -> ``silu(gate) * up`` [num_rows, n]."""
     _rows(x)
     num_rows, n = x.shape[0], x.shape[1] // 2

@@ -17,61 +17,7 @@ import torch
 from fastdraft.model_config import ModelConfig
 from fastdraft.kernels import triton_attention
 from fastdraft.kernels.memory import huge_page_zeros
-
-
-class DeviceMetadata(NamedTuple):
-    """A step's metadata as int32 tensors on its device, for GPU kernels (built once a step)."""
-
-    block_tables: torch.Tensor  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor  # [num_seqs]
-    query_start_loc: torch.Tensor  # [num_seqs + 1]
-
-
-class PagedAttentionMetadata:
-    """A flat batch: the new tokens of many sequences back to back, each sequence at its own
-    position, its keys and values in blocks of a :class:`PagedKVCache`.
-
-    * ``positions`` [num_tokens]: the absolute position of each token in its sequence.
-    * ``slot_mapping`` [num_tokens]: the cache slot each token's key and value go to
-      (block id * block_size + offset in the block).
-    * ``query_start_loc`` [num_seqs + 1]: sequence ``i``'s tokens are
-      ``query_start_loc[i]:query_start_loc[i + 1]``.
-    * ``context_lens`` [num_seqs]: the keys sequence ``i`` attends over after this step (its
-      cached tokens plus its new ones, which are the last).
-    * ``block_tables`` [num_seqs, max_blocks]: the blocks holding each sequence's positions.
-
-    The model sees the batch as one matrix of rows, which is what keeps the linears at one
-    matmul per layer for every sequence of the step.
-    """
-
-    def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: list[int],
-                 context_lens: list[int], block_tables: torch.Tensor) -> None:
-        if positions.dim() != 1 or slot_mapping.shape != positions.shape:
-            raise ValueError("positions and slot_mapping must both be [num_tokens]")
-        if len(query_start_loc) != len(context_lens) + 1 or query_start_loc[-1] != positions.shape[0]:
-            raise ValueError("query_start_loc must be [num_seqs + 1] and end at num_tokens")
-        self.positions = positions
-        self.slot_mapping = slot_mapping
-        self.query_start_loc = query_start_loc
-        self.context_lens = context_lens
-        # The same two as int64 host tensors, built once per step for the C++ attention.
-        self.query_start_loc_tensor = torch.tensor(query_start_loc, dtype=torch.long)
-        self.context_lens_tensor = torch.tensor(context_lens, dtype=torch.long)
-        self.block_tables = block_tables
-        self.num_tokens = positions.shape[0]
-        self.num_seqs = len(context_lens)
-        self.max_context_len = max(context_lens, default=0)
-        self.device = positions.device
-        self._int32: DeviceMetadata | None = None
-
-    def int32_tensors(self) -> DeviceMetadata:
-        """Block tables, context lengths and query offsets as int32 on the batch's device, made
-        on first use and shared by every layer of the pass."""
-        if self._int32 is None:
-            lengths = torch.tensor([self.query_start_loc, [*self.context_lens, 0]], dtype=torch.int32)
-            lengths = lengths.to(self.device, non_blocking=True)  # one copy for both
-            self._int32 = DeviceMetadata(self.block_tables.to(torch.int32), lengths[1, :-1], lengths[0])
-        return self._int32
+from fastdraft.kernels.ops.attention_ops import PagedAttentionMetadata
 
 
 class Span(NamedTuple):

@@ -1,4 +1,4 @@
-"""The decoder of a Llama-family model on a GPU in few launches: the CUDA backend of its forward pass.
+"""The CUDA step: a decoder plan executed on a GPU in few launches, the CUDA backend of the forward pass.
 
 A small model's decode step on a GPU is bound by kernel launches, not by bytes: the module path
 runs about forty launches a layer (RMSNorm alone is seven, rotary ten). :class:`CudaDecoder`
@@ -8,7 +8,7 @@ add fused into the next RMSNorm, rotary in place by position, and SiLU-and-multi
 Triton launch (``kernels/triton_ops.py``), with the KV write and the paged attention of
 ``kernels/triton_attention.py``. It allocates nothing that depends on the step's contents, only
 on its shape, and never reads a device value on the host, so a CUDA graph can capture it
-(``engine/cuda_graphs.py``). The module path in ``llama.py`` is its reference twin (tested).
+(``engine/cuda_graphs.py``). The module path in ``causal_lm.py`` is its reference twin (tested).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import nn
 
 from fastdraft.kernels import triton_attention, triton_ops
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.linear import fused_linear, has_hooks
-from fastdraft.layers.norm import RMSNorm
+from fastdraft.layers.linear import fused_linear
+from fastdraft.models.plan import LayerPlan
 
 
 class _Projections:
@@ -37,53 +37,46 @@ class _Projections:
 
 
 class _Layer:
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.scale = attn.scale
+    def __init__(self, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        attn, mlp, spec = layer.self_attn, layer.mlp, plan.attention
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = spec.scale
         self.qkv = _Projections([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
         self.o_proj = attn.o_proj
         self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj], dtype, device)
         self.down_proj = mlp.down_proj
-        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-
-
-def _is_plain_norm(norm: nn.Module) -> bool:
-    return type(norm) is RMSNorm and not has_hooks(norm) and norm.weight.is_contiguous()
+        self.input_norm = getattr(layer, plan.pre_attention_norm.name)
+        self.post_norm = getattr(layer, plan.pre_mlp_norm.name)
 
 
 class CudaDecoder:
-    """A ``LlamaForCausalLM``'s decoder on a GPU: embedding, layers and final norm in Triton
-    kernels and fused matmuls; the LM head stays the model's (``has_head`` is False).
+    """A ``CausalLM``'s decoder on a GPU: embedding, layers and final norm in Triton kernels and
+    fused matmuls; the LM head stays the model's (``has_head`` is False).
 
-    Built from the modules as they are at that moment (``LlamaForCausalLM.fused_decoder``) and
-    owned by whoever built it; dense projections are re-pointed at slices of their fused weight,
-    so no weight is held twice."""
+    Built from the modules as they are at that moment (``CausalLM.fused_decoder``) and owned by
+    whoever built it; dense projections are re-pointed at slices of their fused weight, so no
+    weight is held twice."""
 
+    NAME = "the CUDA step"
+    # The plan's features beyond the plain Llama layer that this executor runs (models/plan.py).
+    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap"})
     has_head = False
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
         decoder = model.model
-        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
-        self.layers = [_Layer(layer, dtype, device) for layer in decoder.layers]
+        self.embed, self.rotary, self.norm = decoder.embed, decoder.rotary_emb, decoder.norm
+        self.layers = [_Layer(plan, layer, dtype, device) for plan, layer in zip(decoder.plan.layers, decoder.layers)]
         self.dtype, self.device, self.min_rows = dtype, device, min_rows
-        self.hidden_size = model.config.hidden_size
 
     @classmethod
     def build(cls, model: nn.Module, block_size: int) -> "CudaDecoder | None":
-        """The CUDA step of ``model`` (a ``LlamaForCausalLM`` on a GPU), or None where it cannot
-        run: no Triton, hooks observing a module, a norm of another kind, or a cache block size or
-        head size the Triton attention does not take."""
-        config = model.config
+        """The CUDA step of ``model`` (a ``CausalLM`` on a GPU whose plan it implements), or None
+        where it cannot run: no Triton, or a cache block size or head size the Triton attention
+        does not take."""
+        head_dim = model.plan.layers[0].attention.head_dim
         if not (triton_ops.is_available() and model.device.type == "cuda"):
             return None
-        if block_size % triton_attention.MIN_TILE_ROWS or config.head_dim < triton_attention.MIN_TILE_ROWS \
-                or config.head_dim % 2:
-            return None
-        layers = model.model.layers
-        norms = [model.model.norm] + [n for layer in layers
-                                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if not all(_is_plain_norm(n) for n in norms) or any(has_hooks(m) for m in model.modules()):
+        if block_size % triton_attention.MIN_TILE_ROWS or head_dim < triton_attention.MIN_TILE_ROWS or head_dim % 2:
             return None
         return cls(model, model.dtype, model.device, model.min_rows)
 
@@ -115,7 +108,7 @@ class CudaDecoder:
         cos, sin = self.rotary.tables(max_seq_len, self.dtype, self.device)  # [>= max_seq_len, head_dim]
         residual = self.embed(input_ids)  # [num_rows, hidden_size]
         first = self.layers[0].input_norm if self.layers else self.norm
-        hidden = triton_ops.rms_norm(residual, first.weight, first.eps)
+        hidden = triton_ops.triton_rms_norm(residual, first.weight, first.eps)
         # Attention writes the tokens' rows of one buffer every layer; padding rows stay zero, so
         # every row the matmuls see is finite (each row's result depends on that row alone).
         attn = None
@@ -130,11 +123,11 @@ class CudaDecoder:
             if attn is None or attn.shape[1:] != (heads, dim):
                 attn = (torch.empty if num_rows == num_tokens else torch.zeros)(num_rows, heads, dim, dtype=qkv.dtype,
                                                                                 device=qkv.device)
-            triton_attention.paged_attention(q_and_k[:, :heads], k_layer, v_layer, block_tables, seq_lens,
+            triton_attention.triton_paged_attention(q_and_k[:, :heads], k_layer, v_layer, block_tables, seq_lens,
                                              query_start_loc, max_seq_len, layer.scale, out=attn[:num_tokens])
             out = layer.o_proj(attn.view(num_rows, heads * dim))  # [num_rows, hidden_size]
-            hidden = triton_ops.rms_norm(out, layer.post_norm.weight, layer.post_norm.eps, residual=residual)
-            out = layer.down_proj(triton_ops.silu_and_mul(layer.gate_up(hidden)))
+            hidden = triton_ops.triton_rms_norm(out, layer.post_norm.weight, layer.post_norm.eps, residual=residual)
+            out = layer.down_proj(triton_ops.triton_silu_and_mul(layer.gate_up(hidden)))
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            hidden = triton_ops.rms_norm(out, norm.weight, norm.eps, residual=residual)
+            hidden = triton_ops.triton_rms_norm(out, norm.weight, norm.eps, residual=residual)
         return hidden

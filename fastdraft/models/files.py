@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fastdraft.model_config import ModelConfig
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.models.registry import KNOWN_MODELS, fastdraft_home, original_gguf, pull
 from fastdraft.tokenizer import Tokenizer
 
@@ -93,7 +93,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str = "cpu",
-                prepare: Callable[[LlamaForCausalLM], None] | None = None) -> LlamaForCausalLM:
+                prepare: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """Instantiate our model from HF-named weights without a second copy in memory.
 
     ``prepare`` runs on the empty (meta-device) model before the weights are assigned: a saved
@@ -101,7 +101,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     placeholders, so it loads as is.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = CausalLM(config)
         if prepare is not None:
             prepare(model)
     is_tied = config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear)
@@ -129,7 +129,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer | None  # None: a model built without files (random weights), run on token ids
     config: ModelConfig
     model_dir: Path | None

@@ -1,4 +1,4 @@
-"""The decoder of a Llama-family model as one C++ call: the CPU backend of its forward pass.
+"""The C++ step: a decoder plan executed as one C++ call, the CPU backend of the forward pass.
 
 A decode step is a few weight-bound matmuls per layer plus ~15 small ops; run from Python,
 those small ops cost about as much as the elementwise work itself. :class:`FusedDecoder` runs
@@ -8,8 +8,8 @@ norm and a weight-only LM head, chaining the very kernels the module path calls,
 order and dtypes. The two give bit-identical results (tested), with one exception: on CPUs
 with AMX, outside batch-invariant mode, the module path's weight-only matmuls over
 ``AMX_LARGE_M`` rows or more switch to a dequantized GEMM while the C++ step keeps its int8
-tiles (long prefills differ in rounding there). The module path in ``llama.py`` is the
-reference twin and serves hooks and CUDA.
+tiles (long prefills differ in rounding there). The layers' structure comes from the plan
+(``models/plan.py``); the modules give only the weights.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from torch import nn
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel
-from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS
+from fastdraft.kernels.ops.attention_ops import MAX_CAUSAL_DECODE_TOKENS, is_paged_block_size
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.linear import FusedLinear, fused_linear, has_hooks, is_dense_linear
+from fastdraft.layers.linear import FusedLinear, fused_linear, is_dense_linear
 from fastdraft.layers.quant_linear import QuantLinear
+from fastdraft.models.plan import LayerPlan
 
 # The most tokens of one sequence that a decode or verification pass holds. A weight-only
 # kernel that switched to its large-M GEMM at or below it would make the module path and the
@@ -34,7 +35,7 @@ MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
 def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
                min_rows: int):
     """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
-    if linear is None or (isinstance(linear, nn.Module) and has_hooks(linear)):
+    if linear is None:
         return None
     if is_dense_linear(linear):
         linear = FusedLinear(weight=linear.weight.detach(),
@@ -68,46 +69,46 @@ def _projections_op(ext, owner: nn.Module, names: tuple[str, ...], dtype: torch.
     return None if any(part is None for part in parts) else ext.concat_linear(parts)
 
 
-def _layer_op(ext, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
-    attn, mlp = layer.self_attn, layer.mlp
+def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
+    """The C++ layer of ``plan`` (pre-norms, q/k/v, o, gate/up, down) over ``layer``'s weights."""
+    attn = plan.attention
     if attn.head_dim % 16 or attn.head_dim > 256:
         return None  # outside the paged attention kernel's shapes
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(has_hooks(m) for m in (layer, attn, mlp, *norms)):
+    norms = [getattr(layer, n.name).weight.detach() for n in (plan.pre_attention_norm, plan.pre_mlp_norm)]
+    if any(n.dtype != dtype for n in norms):
         return None
-    if any(n.weight.dtype != dtype or n.eps != norms[0].eps for n in norms):
-        return None
-    qkv_names, gate_up_names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-    if any(has_hooks(getattr(attn, n)) for n in qkv_names) or any(has_hooks(getattr(mlp, n)) for n in gate_up_names):
-        return None
-    ops = [_projections_op(ext, attn, qkv_names, dtype, device, min_rows),
-           _linear_op(ext, attn.o_proj, dtype, device, min_rows),
-           _projections_op(ext, mlp, gate_up_names, dtype, device, min_rows),
-           _linear_op(ext, mlp.down_proj, dtype, device, min_rows)]
+    ops = [_projections_op(ext, layer.self_attn, ("q_proj", "k_proj", "v_proj"), dtype, device, min_rows),
+           _linear_op(ext, layer.self_attn.o_proj, dtype, device, min_rows),
+           _projections_op(ext, layer.mlp, ("gate_proj", "up_proj"), dtype, device, min_rows),
+           _linear_op(ext, layer.mlp.down_proj, dtype, device, min_rows)]
     if any(op is None for op in ops):
         return None
-    return ext.DecoderLayer(norms[0].weight.detach(), norms[1].weight.detach(), norms[0].eps, *ops,
-                            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+    return ext.DecoderLayer(*norms, plan.pre_attention_norm.eps, *ops, attn.num_heads, attn.num_kv_heads,
+                            attn.head_dim, attn.scale)
 
 
 class FusedDecoder:
     """A model's embedding, decoder layers, final norm and LM head as one C++ step, built for
     one activation dtype and ``min_rows``.
 
-    Built from the modules as they are at that moment (``LlamaForCausalLM.fused_decoder``) and
-    owned by whoever built it: the engine's runner, a speculative proposer, and run by one thread
-    at a time. A module replaced afterwards (quantized in place, say) is not seen; build a new
-    decoder then. The pieces the C++ side cannot take run in Python around it: an embedding of
-    another format (INT8, say), a final norm of another dtype; the head runs inside only when it
-    is weight-only."""
+    Built from the modules as they are at that moment (``CausalLM.fused_decoder``) and owned by
+    whoever built it: the engine's runner, a speculative proposer, and run by one thread at a
+    time. A module replaced afterwards (quantized in place, say) is not seen; build a new
+    decoder then. The pieces the C++ side cannot take run in Python around it: a scaled
+    embedding or one of another format (INT8, say), a final norm of another dtype; the head
+    runs inside only when it is weight-only."""
 
-    def __init__(self, ext, layer_ops: list, embed: nn.Module, rotary: nn.Module, norm: nn.Module, head,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    NAME = "the C++ step"
+    # The plan's features beyond the plain Llama layer that this executor runs (models/plan.py).
+    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap"})
+
+    def __init__(self, ext, layer_ops: list, decoder: nn.Module, head, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.ext = ext
         self.layer_ops = layer_ops
         self.dtype, self.device = dtype, device
         self.is_weight_only = ext.decoder_is_weight_only(layer_ops)
-        self.embed, self.rotary, self.norm, self._head = embed, rotary, norm, head
+        self.decoder, self.rotary, self.norm, self._head = decoder, decoder.rotary_emb, decoder.norm, head
         self._step = None
         self._step_key: tuple | None = None
         self._is_norm_inside = False  # of the current step
@@ -115,9 +116,9 @@ class FusedDecoder:
     def _current_step(self):
         """The C++ step, built again when the embedding table or the final norm it holds has
         changed in place (a ``.data`` swap, a new eps) since it was built."""
-        embed, norm = self.embed, self.norm
+        embed, norm = self.decoder.embed_tokens, self.norm
         is_table = (type(embed) is nn.Embedding and embed.weight.dtype == self.dtype
-                    and embed.weight.is_contiguous() and not has_hooks(embed))
+                    and embed.weight.is_contiguous() and self.decoder.plan.embedding_scale is None)
         is_norm_inside = _is_fusable_norm(norm, self.dtype)
         key = (is_table and embed.weight.data_ptr(), is_norm_inside and norm.weight.data_ptr(), norm.eps)
         if key != self._step_key:
@@ -134,27 +135,30 @@ class FusedDecoder:
         return self._head is not None and self.is_weight_only and _is_fusable_norm(self.norm, self.dtype)
 
     @classmethod
-    def build(cls, model: nn.Module, lm_head: nn.Module, dtype: torch.dtype, device: torch.device,
-              min_rows: int) -> "FusedDecoder | None":
-        """The C++ step of ``model`` (a ``LlamaModel``: ``embed_tokens``, ``layers``, ``norm``,
-        ``rotary_emb``) and ``lm_head`` for activations of ``dtype``, or None where the C++
-        side cannot run the layers (no CPU kernels, a dtype other than fp32 and bf16, a layer it
-        does not take)."""
+    def build(cls, model: nn.Module, block_size: int) -> "FusedDecoder | None":
+        """The C++ step of ``model`` (a ``CausalLM`` on the CPU whose plan it implements), or
+        None where the C++ side cannot take its weights or shapes (no CPU kernels, a dtype other
+        than fp32 and bf16, a weight format or head size it does not take, a block size that is
+        not a power of two)."""
         ext = load_cpu_kernels()
-        if ext is None or dtype not in (torch.float32, torch.bfloat16):
+        dtype, device, min_rows = model.dtype, model.device, model.min_rows
+        if ext is None or dtype not in (torch.float32, torch.bfloat16) or not is_paged_block_size(block_size):
             return None
-        ops = [_layer_op(ext, layer, dtype, device, min_rows) for layer in model.layers]
+        decoder = model.model
+        ops = [_layer_op(ext, plan, layer, dtype, device, min_rows)
+               for plan, layer in zip(decoder.plan.layers, decoder.layers)]
         if any(op is None for op in ops):
             return None
+        lm_head = model.lm_head
         head = _linear_op(ext, lm_head, dtype, device, min_rows) if isinstance(lm_head, QuantLinear) else None
-        return cls(ext, ops, model.embed_tokens, model.rotary_emb, model.norm, head, dtype, device)
+        return cls(ext, ops, decoder, head, dtype, device)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
              meta: PagedAttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
         step = self._current_step()
         # Rotary tables cover every position of the step: its longest context.
         cos, sin = self.rotary.tables(max(meta.context_lens), self.dtype, self.device)
-        hidden = None if step.has_embedding else self.embed(input_ids)  # [num_tokens, hidden_size]
+        hidden = None if step.has_embedding else self.decoder.embed(input_ids)  # [num_tokens, hidden_size]
         return step.forward(input_ids, hidden, positions, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping,
                             meta.block_tables, meta.query_start_loc_tensor, meta.context_lens_tensor, logit_rows,
                             is_batch_invariant())
@@ -170,8 +174,8 @@ class FusedDecoder:
 
     def logits_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                      meta: PagedAttentionMetadata, logit_rows: list[int]) -> torch.Tensor:
-        """fp32 logits [len(logit_rows), vocab_size] of a flat batch, the weight-only head run
-        inside the step's parallel region (``has_head``)."""
+        """fp32 logits [len(logit_rows), vocab_size] of a flat batch before any soft-cap, the
+        weight-only head run inside the step's parallel region (``has_head``)."""
         if not self.has_head:
             raise ValueError("this decoder's LM head runs in Python: use forward_paged and the model's head")
         return self._run(input_ids, positions, kv_cache, meta, torch.tensor(logit_rows, dtype=torch.long))
@@ -179,5 +183,4 @@ class FusedDecoder:
 
 def _is_fusable_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the final norm can run inside the C++ call (else it runs in Python)."""
-    weight = getattr(norm, "weight", None)
-    return weight is not None and not has_hooks(norm) and weight.dtype == dtype and weight.is_contiguous()
+    return norm.weight.dtype == dtype and norm.weight.is_contiguous()

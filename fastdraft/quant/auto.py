@@ -28,7 +28,7 @@ import torch
 
 from fastdraft.fileio import atomic_write, write_json
 from fastdraft.formats import PER_CHANNEL
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.models.files import LoadedModel, build_model, load_state_dict
 from fastdraft.quant.quant_config import LAYER_LINEARS, METHODS, QuantConfig, parse_quant_spec
 from fastdraft.quant.data import USER_DOMAIN, QuantTexts, calibration_samples
@@ -145,14 +145,14 @@ class DecodeTimer(Protocol):
     """How the search times a candidate's decoding; the engine provides one
     (:class:`fastdraft.engine.timing.DecodeStepTimer`: the serving engine's batch-1 decode step)."""
 
-    def time(self, model: LlamaForCausalLM) -> float:
+    def time(self, model: CausalLM) -> float:
         """Median decode step in milliseconds."""
 
-    def time_interleaved(self, models: list[LlamaForCausalLM], num_rounds: int) -> list[float]:
+    def time_interleaved(self, models: list[CausalLM], num_rounds: int) -> list[float]:
         """Each model's median latency (ms) over rounds in which the models take turns."""
 
 
-def estimate_weight_bytes(reference: LlamaForCausalLM, config: QuantConfig) -> int:
+def estimate_weight_bytes(reference: CausalLM, config: QuantConfig) -> int:
     """Decode weight bytes of ``reference`` once quantized by ``config``, without quantizing it:
     what orders the walk."""
     total = reference.decode_weight_bytes()
@@ -194,7 +194,7 @@ class _Walk:
         self.state = load_state_dict(loaded.model_dir)
         self.calib: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # each calibration set, drawn once
 
-    def build(self, config: QuantConfig) -> LlamaForCausalLM:
+    def build(self, config: QuantConfig) -> CausalLM:
         model = build_model(self.loaded.config, self.state, self.reference.dtype, self.reference.device)
         if config.is_gguf_native:
             if self.gguf_path is None:
@@ -210,7 +210,7 @@ class _Walk:
             samples = self.calib[key]
         return quantize_model(model, config, samples, self.show_progress)
 
-    def try_config(self, config: QuantConfig, step: str) -> tuple[Candidate, LlamaForCausalLM]:
+    def try_config(self, config: QuantConfig, step: str) -> tuple[Candidate, CausalLM]:
         start = time.perf_counter()
         model = self.build(config)
         config = model.quant_config  # a GGUF candidate's config records the file's formats
@@ -235,7 +235,7 @@ class _Walk:
         return not self.texts.is_mixed or ev.loss_interval_per_domain[USER_DOMAIN][1] <= self.space.max_loss
 
     def first_within(self, configs: list[QuantConfig], step: str | None = None
-                     ) -> tuple[Candidate, LlamaForCausalLM] | None:
+                     ) -> tuple[Candidate, CausalLM] | None:
         """Try ``configs`` in order; the first within the target, with its model."""
         for config in configs:
             cand, model = self.try_config(config, step or walk_step(config))
@@ -253,7 +253,7 @@ class _Walk:
         """The GGUF candidate with its tensor formats, read from the file."""
         return self.build(QuantConfig(method="gguf")).quant_config
 
-    def run(self) -> tuple[Candidate, LlamaForCausalLM] | None:
+    def run(self) -> tuple[Candidate, CausalLM] | None:
         space = self.space
         if space.candidates:
             return self.first_within(self.by_bytes(space.explicit_configs()), "explicit")
@@ -289,7 +289,7 @@ class _Walk:
 
 def auto_quantize(loaded: LoadedModel, space: AutoSearchSpace, timer: DecodeTimer, show_progress: bool = True,
                   report_dir: Path | None = None, gguf_path: Path | None = None,
-                  texts: QuantTexts = QuantTexts()) -> tuple[AutoResult, LlamaForCausalLM | None]:
+                  texts: QuantTexts = QuantTexts()) -> tuple[AutoResult, CausalLM | None]:
     """Walk the search space on ``texts.selection``; return the result and the chosen model (or
     None).
 

@@ -21,7 +21,7 @@ from fastdraft.model_config import ModelConfig
 
 from fastdraft.fileio import atomic_dir
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.models.files import build_model
 from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.quantizer import replace_module
@@ -42,7 +42,7 @@ def quant_config_from_model_config(extra: dict[str, Any]) -> QuantConfig | None:
     return QuantConfig.from_dict(raw)
 
 
-def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
+def apply_quant_structure(model: CausalLM, config: QuantConfig) -> None:
     """Replace dense modules with empty quantized placeholders matching ``config``."""
     num_layers = len(model.model.layers)
     for idx, layer in enumerate(model.model.layers):
@@ -63,7 +63,7 @@ def apply_quant_structure(model: LlamaForCausalLM, config: QuantConfig) -> None:
 
 
 def build_quantized_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                          device: torch.device | str, quant_config: QuantConfig) -> LlamaForCausalLM:
+                          device: torch.device | str, quant_config: QuantConfig) -> CausalLM:
     """A saved checkpoint's model: quantized placeholders of ``quant_config`` filled by ``state_dict``."""
     model = build_model(config, state_dict, dtype, device, prepare=lambda m: apply_quant_structure(m, quant_config))
     model.quant_config = quant_config
@@ -71,7 +71,7 @@ def build_quantized_model(config: ModelConfig, state_dict: dict[str, torch.Tenso
     return model
 
 
-def save_quantized(model: LlamaForCausalLM, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
+def save_quantized(model: CausalLM, out_dir: str | Path, source_dir: str | Path | None = None) -> Path:
     """Write a quantized model (and the tokenizer files of ``source_dir``) to ``out_dir`` atomically."""
     config: QuantConfig | None = getattr(model, "quant_config", None)
     if config is None:

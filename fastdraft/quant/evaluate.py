@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fastdraft.layers.kv_cache import SequenceCache
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.quant.data import EvalText, GivenTexts, TextSet
 from fastdraft.tokenizer import Tokenizer
 
@@ -191,14 +191,14 @@ class EvalWindows:
 
 
 @torch.inference_mode()
-def _full_logits(model: LlamaForCausalLM, ids: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+def _full_logits(model: CausalLM, ids: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
     cache.reset()
     input_ids, meta = cache.append(ids[0])
     hidden = model(input_ids, meta.positions, cache.kv_cache, meta)  # [seq_len, hidden_size]
     return model.compute_logits(hidden[:-1])  # [seq_len - 1, vocab] predicting ids[1:]
 
 
-def _log_probs(model: LlamaForCausalLM, window: Window, cache: SequenceCache) -> torch.Tensor:
+def _log_probs(model: CausalLM, window: Window, cache: SequenceCache) -> torch.Tensor:
     return F.log_softmax(_full_logits(model, window.ids, cache).float(), dim=-1)  # [seq_len - 1, vocab]
 
 
@@ -243,7 +243,7 @@ def _nll(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def score_reference(reference: LlamaForCausalLM, windows: EvalWindows, show_progress: bool = True,
+def score_reference(reference: CausalLM, windows: EvalWindows, show_progress: bool = True,
                     top_k: int = REFERENCE_TOP_K) -> ReferenceScores:
     """Score the reference once, keeping its top ``top_k`` tokens per position."""
     cache = _cache_for(reference, windows)
@@ -259,7 +259,7 @@ def score_reference(reference: LlamaForCausalLM, windows: EvalWindows, show_prog
 
 
 @torch.inference_mode()
-def evaluate(model: LlamaForCausalLM, windows: EvalWindows, reference: ReferenceScores | None = None,
+def evaluate(model: CausalLM, windows: EvalWindows, reference: ReferenceScores | None = None,
              label: str = "model", show_progress: bool = True) -> EvalResult:
     """Score ``model`` on ``windows``; with ``reference``, also KL, top-1 agreement and the
     loss intervals against it."""
@@ -281,13 +281,13 @@ def evaluate(model: LlamaForCausalLM, windows: EvalWindows, reference: Reference
     return EvalResult.from_windows(label, scores, has_reference=reference is not None)
 
 
-def _cache_for(model: LlamaForCausalLM, windows: EvalWindows) -> SequenceCache:
+def _cache_for(model: CausalLM, windows: EvalWindows) -> SequenceCache:
     max_len = max(w.ids.shape[1] for w in windows.windows)
     return SequenceCache.from_config(model.config, max_len, dtype=model.dtype, device=model.device)
 
 
 @torch.inference_mode()
-def compare(reference: LlamaForCausalLM, model: LlamaForCausalLM, windows: EvalWindows, label: str = "model",
+def compare(reference: CausalLM, model: CausalLM, windows: EvalWindows, label: str = "model",
             show_progress: bool = True) -> tuple[EvalResult, EvalResult]:
     """Score ``reference`` and ``model`` side by side, one window at a time: (reference's
     result, model's result with the full-vocabulary KL and top-1 against it).

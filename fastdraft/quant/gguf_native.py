@@ -36,7 +36,7 @@ from torch import nn
 from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
 from fastdraft.layers.quant_linear import QuantLinear, exact_min_rows
 from fastdraft.models.gguf_convert import unpermute_llama
-from fastdraft.models.llama import LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM
 from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
 from fastdraft.quant.quantizer import quant_linear, replace_module
 
@@ -207,7 +207,7 @@ def has_native_weights(gguf_path: str | Path) -> bool:
 
 
 @torch.inference_mode()
-def apply_gguf_native(model: LlamaForCausalLM, gguf_path: str | Path) -> QuantConfig:
+def apply_gguf_native(model: CausalLM, gguf_path: str | Path) -> QuantConfig:
     """Replace ``model``'s decoder linears and LM head with the quantized blocks of
     ``gguf_path``, the file the model was converted from, and return the config that records
     each tensor's format (``method="gguf"``; saved checkpoints reload from it)."""

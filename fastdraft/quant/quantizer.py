@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from fastdraft.formats import PER_CHANNEL, QuantizedWeight, WeightFormat, quantize
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
-from fastdraft.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from fastdraft.models.causal_lm import CausalLM, DecoderLayer
 from fastdraft.quant import awq
 from fastdraft.quant.quant_config import ATTN_INPUT, LAYER_LINEARS, MLP_INPUT, QuantConfig
 from fastdraft.quant.gptq import HessianAccumulator, gptq_quantize
@@ -30,21 +30,21 @@ _AWQ_MAX_ROWS = 4096  # calibration rows kept per linear input for AWQ's searche
 class _LayerwiseRunner:
     """Feeds calibration samples through the decoder one layer at a time."""
 
-    def __init__(self, model: LlamaForCausalLM, samples: list[torch.Tensor]) -> None:
+    def __init__(self, model: CausalLM, samples: list[torch.Tensor]) -> None:
         seq_len = samples[0].shape[1]
         # Every sample runs as the one sequence of a cache of its own, at positions 0..seq_len-1:
         # one layout serves them all (each overwrites the last one's keys and values).
         cache = SequenceCache.from_config(model.config, seq_len, dtype=model.dtype, device=model.device)
         self.kv_cache = cache.kv_cache
         _, self.meta = cache.append(samples[0][0])
-        self.cos, self.sin = model.model.rotary_emb(self.meta.positions, model.dtype)  # [seq_len, head_dim]
+        self.rotary_rows = model.model.rotary_rows(self.meta.positions, model.dtype)  # [seq_len, rotary_dim] each
         with torch.no_grad():
             # [seq_len, hidden_size] each
-            self.hidden = [model.model.embed_tokens(s[0].to(model.device)) for s in samples]
+            self.hidden = [model.model.embed(s[0].to(model.device)) for s in samples]
 
     @torch.no_grad()
-    def run(self, layer: LlamaDecoderLayer) -> list[torch.Tensor]:
-        return [layer(h, self.cos, self.sin, self.kv_cache, self.meta) for h in self.hidden]
+    def run(self, layer: DecoderLayer) -> list[torch.Tensor]:
+        return [layer(h, self.rotary_rows, self.kv_cache, self.meta) for h in self.hidden]
 
 
 @contextmanager
@@ -74,14 +74,14 @@ def _rtn(weight: torch.Tensor, fmt: WeightFormat) -> QuantizedWeight:
     return quantize(weight, *fmt)
 
 
-def _quantize_layer_rtn(layer: LlamaDecoderLayer, config: QuantConfig, num_layers: int) -> None:
+def _quantize_layer_rtn(layer: DecoderLayer, config: QuantConfig, num_layers: int) -> None:
     for name in LAYER_LINEARS:
         linear = layer.get_submodule(name)
         fmt = config.layer_format(layer.self_attn.layer_idx, num_layers, name)
         replace_module(layer, name, quant_linear(linear, _rtn(linear.weight, fmt)))
 
 
-def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
+def _quantize_layer_gptq(layer: DecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
                          num_layers: int) -> None:
     accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in LAYER_LINEARS}
     with _capture_inputs(layer, LAYER_LINEARS, lambda name, x: accumulators[name].add(x)):
@@ -97,7 +97,7 @@ def _quantize_layer_gptq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, con
         replace_module(layer, name, quant_linear(linear, qw))
 
 
-def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
+def _quantize_layer_awq(layer: DecoderLayer, runner: _LayerwiseRunner, config: QuantConfig,
                         num_layers: int) -> None:
     inputs: dict[str, list[torch.Tensor]] = {}
     wanted = (ATTN_INPUT[0], "self_attn.o_proj", MLP_INPUT[0], "mlp.down_proj")
@@ -136,8 +136,8 @@ def _quantize_layer_awq(layer: LlamaDecoderLayer, runner: _LayerwiseRunner, conf
         replace_module(layer, name, quant_linear(linear, _rtn(weight, fmt)))
 
 
-def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
-                   calib_samples: list[torch.Tensor] | None = None, show_progress: bool = True) -> LlamaForCausalLM:
+def quantize_model(model: CausalLM, config: QuantConfig,
+                   calib_samples: list[torch.Tensor] | None = None, show_progress: bool = True) -> CausalLM:
     """Quantize ``model`` in place (decoder linears, then lm_head / embeddings) and return it."""
     if config.is_gguf_native:
         raise ValueError("method=gguf keeps a GGUF file's own blocks: load the model with keep_gguf_quant=True "
@@ -164,7 +164,7 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig,
     return model
 
 
-def _quantize_head_and_embeddings(model: LlamaForCausalLM, config: QuantConfig) -> None:
+def _quantize_head_and_embeddings(model: CausalLM, config: QuantConfig) -> None:
     head_format = config.head_format()
     if head_format is not None:
         head = model.lm_head

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from fastdraft.formats import PER_CHANNEL, dequantize, quantize, unpack_int6
 from fastdraft.kernels import fused, select_kernel
+from fastdraft.kernels.ops import activation_ops, attention_ops, norm_ops
+from fastdraft.kernels.ops.attention_ops import PagedAttentionMetadata
 from fastdraft.kernels.build import clear_caches, load_cpu_kernels
 from fastdraft.kernels.mode import batch_invariant
 from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul, repack
@@ -124,10 +126,10 @@ def test_fused_ops_match_their_twins(dtype):
     torch.manual_seed(0)
     tol = 0 if dtype == torch.bfloat16 else 1e-6  # bf16: same roundings, so mostly exact
     x, w = torch.randn(5, 200).to(dtype), torch.randn(200).to(dtype)
-    assert torch.allclose(fused.rms_norm(x, w, 1e-6).float(), fused.reference_rms_norm(x, w, 1e-6).float(),
+    assert torch.allclose(norm_ops.rms_norm(x, w, 1e-6).float(), norm_ops.reference_rms_norm(x, w, 1e-6).float(),
                           rtol=1e-5, atol=1e-5)
     gate_up = (torch.randn(3, 2 * 70) * 5).to(dtype)
-    assert torch.allclose(fused.silu_and_mul(gate_up).float(), fused.reference_silu_and_mul(gate_up).float(),
+    assert torch.allclose(activation_ops.silu_and_mul(gate_up).float(), activation_ops.reference_silu_and_mul(gate_up).float(),
                           rtol=1e-5 + tol, atol=1e-5)
     qkv = torch.randn(2, 3, 4 * 32 + 2 * 32).to(dtype)  # a q slice of a fused projection row
     q = qkv[..., :4 * 32].view(2, 3, 4, 32)
@@ -145,15 +147,31 @@ def test_reference_causal_tokens_equal_one_token_calls(dtype):
     q = torch.randn(1, 2, num_tokens * group, d).to(dtype)
     cache_k, cache_v = torch.randn(1, 2, 64, d).to(dtype), torch.randn(1, 2, 64, d).to(dtype)
     k, v = cache_k[:, :, :length], cache_v[:, :, :length]  # views of longer keys, as the paged twin passes them
-    out = fused.per_token_attention(q, k, v, d ** -0.5, num_tokens)
-    assert_tokens_equal_one_token_calls(out, lambda *qkv: fused.per_token_attention(*qkv, d ** -0.5),
+    out = attention_ops.per_token_attention(q, k, v, d ** -0.5, num_tokens)
+    assert_tokens_equal_one_token_calls(out, lambda *qkv: attention_ops.per_token_attention(*qkv, d ** -0.5),
                                         q, k, v, num_tokens)
 
 
 def test_causal_tokens_bad_shape_is_a_value_error():
     q, k = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 8, 32)
     with pytest.raises(ValueError, match="tokens"):
-        fused.per_token_attention(q, k, k, 1.0, num_tokens=2)
+        attention_ops.per_token_attention(q, k, k, 1.0, num_tokens=2)
+
+
+def _meta(tables, query_start_loc, context_lens) -> PagedAttentionMetadata:
+    """The metadata attention reads (the tokens' positions and slots are not read)."""
+    num_tokens = query_start_loc[-1]
+    return PagedAttentionMetadata(torch.zeros(num_tokens, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long),
+                                  list(query_start_loc), list(context_lens), tables)
+
+
+def _attend(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, scale):
+    return attention_ops.paged_attention(q, k_blocks, v_blocks, _meta(tables, query_start_loc, context_lens), scale)
+
+
+def _twin(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, scale):
+    meta = _meta(tables, query_start_loc, context_lens)
+    return attention_ops.reference_paged_attention(q, k_blocks, v_blocks, meta, scale)
 
 
 def _paged_batch(dtype, block_size, seqs, num_heads=6, num_kv_heads=2, head_dim=64):
@@ -190,8 +208,8 @@ def _gathered(blocks: torch.Tensor, table: torch.Tensor, length: int) -> torch.T
 def test_paged_attention_matches_twin_and_any_block_layout(dtype, tol, block_size):
     torch.manual_seed(block_size)
     q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(dtype, block_size, _PAGED_SEQS)
-    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
-    twin = fused.reference_paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    out = _attend(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    twin = _twin(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
     assert (out.float() - twin.float()).abs().max().item() <= tol
     num_kv_heads, head_dim = k_blocks.shape[1], k_blocks.shape[3]
     for i, (num_new, length) in enumerate(_PAGED_SEQS):
@@ -203,7 +221,7 @@ def test_paged_attention_matches_twin_and_any_block_layout(dtype, tol, block_siz
         v = torch.zeros_like(k)
         k[0, :, :length], v[0, :, :length] = _gathered(k_blocks, table, length), _gathered(v_blocks, table, length)
         rows = slice(query_start_loc[i], query_start_loc[i + 1])
-        alone = fused.paged_attention(q[rows], k, v, torch.zeros(1, 1, dtype=torch.long), [0, num_new], [length],
+        alone = _attend(q[rows], k, v, torch.zeros(1, 1, dtype=torch.long), [0, num_new], [length],
                                       0.125)
         assert torch.equal(out[rows], alone), f"sequence {i}"
 
@@ -226,8 +244,8 @@ def test_paged_attention_matches_masked_sdpa_and_one_token_calls(dtype, tol, sha
     q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(
         dtype, 16, [(num_new, length)] * num_seqs, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=d)
     scale = d ** -0.5
-    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, scale)
-    twin = fused.reference_paged_attention(q.float(), k_blocks.float(), v_blocks.float(), tables, query_start_loc,
+    out = _attend(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, scale)
+    twin = _twin(q.float(), k_blocks.float(), v_blocks.float(), tables, query_start_loc,
                                            context_lens, scale)
     table_len = (length + 15) // 16
     mask = torch.arange(length) <= torch.arange(length - num_new, length)[:, None]  # [num_new, keys]
@@ -241,7 +259,7 @@ def test_paged_attention_matches_masked_sdpa_and_one_token_calls(dtype, tol, sha
         assert (twin[rows] - expected).abs().max().item() <= 1e-5
         for t in range(num_new):
             row = query_start_loc[i] + t
-            one = fused.paged_attention(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
+            one = _attend(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
                                         [length - num_new + t + 1], scale)
             assert torch.equal(out[row], one[0]), f"sequence {i}, token {t}"
 
@@ -252,16 +270,16 @@ def test_paged_attention_rows_do_not_depend_on_the_batch(dtype):
     # other sequences: batch invariance of the attention.
     torch.manual_seed(1)
     q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(dtype, 16, _PAGED_SEQS)
-    out = fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
+    out = _attend(q, k_blocks, v_blocks, tables, query_start_loc, context_lens, 0.125)
     i = len(_PAGED_SEQS) - 1  # the 270-token chunk ending at key 530
     num_new, length = _PAGED_SEQS[i]
     for t in (0, 100, num_new - 1):
         row = query_start_loc[i] + t
-        alone = fused.paged_attention(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
+        alone = _attend(q[row:row + 1], k_blocks, v_blocks, tables[i:i + 1], [0, 1],
                                       [length - num_new + t + 1], 0.125)
         assert torch.equal(alone[0], out[row])
     split = 40  # the same chunk as two chunks
-    first = fused.paged_attention(q[query_start_loc[i]:query_start_loc[i] + split], k_blocks, v_blocks,
+    first = _attend(q[query_start_loc[i]:query_start_loc[i] + split], k_blocks, v_blocks,
                                   tables[i:i + 1], [0, split], [length - num_new + split], 0.125)
     assert torch.equal(first, out[query_start_loc[i]:query_start_loc[i] + split])
 
@@ -269,9 +287,9 @@ def test_paged_attention_rows_do_not_depend_on_the_batch(dtype):
 def test_paged_attention_rejects_bad_metadata():
     q, k_blocks, v_blocks, tables, query_start_loc, context_lens = _paged_batch(torch.float32, 16, [(2, 20)])
     with pytest.raises(RuntimeError, match="new tokens"):
-        fused.paged_attention(q, k_blocks, v_blocks, tables, query_start_loc, [1], 0.125)
+        _attend(q, k_blocks, v_blocks, tables, query_start_loc, [1], 0.125)
     with pytest.raises(RuntimeError, match="block id"):
-        fused.paged_attention(q, k_blocks, v_blocks, tables + 1000, query_start_loc, context_lens, 0.125)
+        _attend(q, k_blocks, v_blocks, tables + 1000, query_start_loc, context_lens, 0.125)
 
 
 def _has_dense_bf16() -> bool:
@@ -355,7 +373,7 @@ def test_fallback_when_disabled(monkeypatch):
         qw = quantize(torch.randn(64, 256), 4, 128, sym=True)
         assert select_kernel(qw, torch.bfloat16, "cpu").name != "x86"
         x = torch.randn(2, 8)
-        assert torch.equal(fused.silu_and_mul(x), fused.reference_silu_and_mul(x))
+        assert torch.equal(activation_ops.silu_and_mul(x), activation_ops.reference_silu_and_mul(x))
         assert torch.equal(greedy_ids(x), x.argmax(dim=-1))  # numpy's argmax instead
     finally:
         monkeypatch.delenv("FASTDRAFT_DISABLE_CPU_KERNELS")

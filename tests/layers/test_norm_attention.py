@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from fastdraft.kernels.build import load_cpu_kernels
-from fastdraft.kernels.fused import paged_attention_kernel_applies
-from fastdraft.layers.attention import MAX_CAUSAL_DECODE_TOKENS, paged_attention
+from fastdraft.kernels.ops.attention_ops import MAX_CAUSAL_DECODE_TOKENS, paged_attention, paged_attention_kernel_applies
 from fastdraft.layers.kv_cache import Span, flat_batch
 from fastdraft.layers.norm import RMSNorm
 

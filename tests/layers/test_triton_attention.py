@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastdraft.kernels import triton_attention
-from fastdraft.layers.attention import reference_paged_attention
+from fastdraft.kernels.ops.attention_ops import reference_paged_attention
 from fastdraft.layers.kv_cache import PagedAttentionMetadata
 
 pytestmark = pytest.mark.skipif(not triton_attention.is_available(), reason="Triton is not installed")
@@ -62,7 +62,7 @@ def _batch(spans, num_kv_heads, group, head_dim, dtype, seed=0):
 
 def _triton(q, k_blocks, v_blocks, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     move = (lambda t: t.to(DEVICE))
-    out = triton_attention.paged_attention(
+    out = triton_attention.triton_paged_attention(
         move(q), move(k_blocks), move(v_blocks), move(meta.block_tables.to(torch.int32)),
         move(torch.tensor(meta.context_lens, dtype=torch.int32)),
         move(torch.tensor(meta.query_start_loc, dtype=torch.int32)), max(meta.context_lens), scale)

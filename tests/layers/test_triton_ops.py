@@ -11,7 +11,9 @@ import torch
 
 from fastdraft.formats import dequantize, quantize
 from fastdraft.kernels import KERNELS, select_kernel, triton_ops
-from fastdraft.kernels.fused import reference_rms_norm, reference_rotary, reference_silu_and_mul
+from fastdraft.kernels.fused import reference_rotary
+from fastdraft.kernels.ops.activation_ops import reference_silu_and_mul
+from fastdraft.kernels.ops.norm_ops import reference_rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -38,7 +40,7 @@ def _randn(*shape, dtype, seed=0):
 def test_rms_norm_matches_the_twin(dtype):
     x, weight = _randn(7, 40, dtype=dtype), _randn(40, dtype=dtype, seed=1)
     out = torch.full_like(x, float("nan"))
-    triton_ops.rms_norm(x, weight, 1e-6, out=out)
+    triton_ops.triton_rms_norm(x, weight, 1e-6, out=out)
     _close(out, reference_rms_norm(x, weight, 1e-6))
 
 
@@ -48,7 +50,7 @@ def test_rms_norm_adds_the_residual_first(dtype):
     x, residual, weight = _randn(5, 40, dtype=dtype), _randn(5, 40, dtype=dtype, seed=2), _randn(40, dtype=dtype,
                                                                                                   seed=1)
     total = x + residual  # rounded to the dtype, as the module path's residual add
-    out = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
+    out = triton_ops.triton_rms_norm(x, weight, 1e-5, residual=residual)
     assert torch.equal(residual, total)  # updated in place, exactly
     _close(out, reference_rms_norm(total, weight, 1e-5))
 
@@ -57,7 +59,7 @@ def test_rms_norm_adds_the_residual_first(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_the_twin(dtype):
     x = _randn(3, 2 * 1100, dtype=dtype)  # more columns than one block
-    _close(triton_ops.silu_and_mul(x), reference_silu_and_mul(x))
+    _close(triton_ops.triton_silu_and_mul(x), reference_silu_and_mul(x))
 
 
 @needs_triton
@@ -80,7 +82,7 @@ def test_rotary_rotates_slices_of_wider_rows_in_place(dtype):
 @needs_triton
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="contiguous columns"):
-        triton_ops.rms_norm(_randn(4, 6, dtype=torch.float32).t(), _randn(4, dtype=torch.float32), 1e-6)
+        triton_ops.triton_rms_norm(_randn(4, 6, dtype=torch.float32).t(), _randn(4, dtype=torch.float32), 1e-6)
     with pytest.raises(ValueError, match="even head_dim"):
         x = _randn(2, 1, 5, dtype=torch.float32)
         triton_ops.rotary_(x, torch.zeros(2, dtype=torch.long, device=DEVICE), _randn(4, 5, dtype=torch.float32),

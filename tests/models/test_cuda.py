@@ -9,8 +9,7 @@ import torch
 
 from fastdraft.generator import TextGenerator
 from fastdraft.engine.loader import load_model
-from fastdraft.kernels.fused import per_token_attention
-from fastdraft.layers.attention import reference_paged_attention
+from fastdraft.kernels.ops.attention_ops import per_token_attention, reference_paged_attention
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache, Span, flat_batch
 from fastdraft.models.cuda_decoder import CudaDecoder
 from fastdraft.sampling_params import SamplingParams

@@ -132,7 +132,7 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
            _projections_op(ext, mlp, ("gate_proj", "up_proj"), torch.bfloat16, cpu, 1),
            _linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
     bad = ext.DecoderLayer(torch.ones(3, dtype=torch.bfloat16), layers[0].post_attention_layernorm.weight.detach(),
-                           1e-6, *ops, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+                           1e-6, *ops, attn.spec.num_heads, attn.spec.num_kv_heads, attn.spec.head_dim, attn.spec.scale)
     step = ext.PagedDecoder([bad] + decoder.layer_ops[1:], model.model.embed_tokens.weight.detach(), None, 0.0, None)
     cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     ids, meta = cache.append([1])
@@ -312,7 +312,7 @@ def _paged_steps(model, decoder) -> list[torch.Tensor]:
 def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
     model = _model(tiny_models, variant, dtype, quant)
     with torch.inference_mode():
-        decoder = FusedDecoder.build(model.model, model.lm_head, model.dtype, model.device, model.min_rows)
+        decoder = FusedDecoder.build(model, 16)
     assert decoder is not None and decoder.is_weight_only
     for got, want in zip(_paged_steps(model, decoder), _paged_steps(model, None)):
         assert torch.equal(got, want)
@@ -337,7 +337,7 @@ def test_paged_dense_decoder_matches_module_path_bitwise(tiny_models, variant, d
 def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, variant, dtype):
     model = _model(tiny_models, variant, dtype, "int4-head6")  # a weight-only LM head
     with torch.inference_mode():
-        decoder = FusedDecoder.build(model.model, model.lm_head, model.dtype, model.device, model.min_rows)
+        decoder = FusedDecoder.build(model, 16)
     block_size, vocab = 4, model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, vocab, (20,), generator=gen).tolist() for _ in range(2)]

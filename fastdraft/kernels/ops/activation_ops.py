@@ -1,0 +1,53 @@
+"""Gated activations of an MLP, ``act(gate) * up`` over rows ``[gate | up]``: SiLU (Llama,
+Qwen) and GELU's tanh approximation (Gemma), each with its reference, the C++ kernel (CPU) and
+the Triton kernel (GPU) where one exists."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastdraft.kernels import triton_ops
+from fastdraft.kernels.fused import cpu_extension_for
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def reference_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x = [gate | up]`` along the last dim -> ``silu(gate) * up``."""
+    if x.is_cuda and triton_ops.is_available():
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return triton_ops.triton_silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+    ext = cpu_extension_for(x)
+    if ext is None:
+        return reference_silu_and_mul(x)
+    out = ext.silu_and_mul(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``activation(gate) * up`` of ``x = [gate | up]``, ``activation`` one of :data:`ACTIVATIONS`."""
+    if activation == "silu":
+        return silu_and_mul(x)
+    if activation == "gelu_tanh":
+        return reference_gelu_tanh_and_mul(x)
+    raise ValueError(f"unknown activation {activation!r}; known: {ACTIVATIONS}")
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The ungated activation ``name`` of x (an MLP without a gate)."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r}; known: {ACTIVATIONS}")

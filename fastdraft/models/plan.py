@@ -1,0 +1,185 @@
+"""A decoder described once: the plan that every executor runs.
+
+An architecture is one function from its :class:`~fastdraft.model_config.ModelConfig` to a
+:class:`DecoderPlan`: the embedding, each layer's norms, projections, attention and MLP, the
+final norm and the head. The module path (``models/causal_lm.py``, the reference and where
+hooks live), the C++ step (``models/fused_decoder.py``) and the CUDA step
+(``models/cuda_decoder.py``) all execute that plan; an executor refuses, by name, the
+:meth:`DecoderPlan.features` it does not implement, and the model then runs on the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastdraft.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """An RMSNorm: its module name (the HF weight name), eps, and kind: ``weight * x̂`` or,
+    with ``is_offset``, Gemma's ``x̂ * (1 + weight)`` (see :mod:`~fastdraft.kernels.ops.norm_ops`)."""
+
+    name: str
+    eps: float
+    is_offset: bool = False
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """Rotary embedding: its base, its scaling (``rope_scaling`` items, frozen) and how many of
+    a head's dimensions it rotates (the rest pass through)."""
+
+    base: float
+    rotary_dim: int
+    scaling: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.scaling) or None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Grouped-query attention over the paged cache. ``sliding_window``: a token sees that many
+    keys up to its own; ``logit_softcap``: scores become ``cap * tanh(s / cap)``; ``q_norm`` /
+    ``k_norm``: an RMSNorm over each head before rotary."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    rotary: RotarySpec
+    has_qkv_bias: bool = False
+    q_norm: NormSpec | None = None
+    k_norm: NormSpec | None = None
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """The MLP: ``down(act(gate(x)) * up(x))`` when gated, else ``down(act(up(x)))``."""
+
+    intermediate_size: int
+    activation: str = "silu"  # or "gelu_tanh"
+    is_gated: bool = True
+    has_bias: bool = False
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer: ``h += post_attn(attn(pre_attn(h)))``, then
+    ``h += post_mlp(mlp(pre_mlp(h)))``; a norm that is None is not there."""
+
+    attention: AttentionSpec
+    mlp: MlpSpec
+    pre_attention_norm: NormSpec | None
+    pre_mlp_norm: NormSpec | None
+    post_attention_norm: NormSpec | None = None
+    post_mlp_norm: NormSpec | None = None
+
+    def norms(self) -> list[NormSpec]:
+        return [n for n in (self.pre_attention_norm, self.post_attention_norm, self.pre_mlp_norm,
+                            self.post_mlp_norm) if n is not None]
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """The whole model: the embedding (scaled by ``embedding_scale`` in the activations'
+    dtype, if set), the layers, the final norm, the head (tied to the embedding or its own)
+    and an optional soft-cap of the final logits."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerPlan, ...]
+    final_norm: NormSpec
+    is_head_tied: bool = False
+    embedding_scale: float | None = None
+    final_logit_softcap: float | None = None
+
+    def features(self) -> set[str]:
+        """The plan's fields beyond the plain Llama layer, by name: what an executor must
+        implement to run this plan."""
+        found = set()
+        if self.embedding_scale is not None:
+            found.add("embedding_scale")
+        if self.final_logit_softcap is not None:
+            found.add("final_logit_softcap")
+        if self.final_norm.is_offset:
+            found.add("offset_norm")
+        first = self.layers[0]
+        for layer in self.layers:
+            attn, mlp = layer.attention, layer.mlp
+            if layer.pre_attention_norm is None or layer.pre_mlp_norm is None:
+                found.add("missing_pre_norm")
+            if layer.post_attention_norm is not None or layer.post_mlp_norm is not None:
+                found.add("post_norm")
+            if any(n.is_offset for n in layer.norms()):
+                found.add("offset_norm")
+            if len({n.eps for n in layer.norms()}) > 1:
+                found.add("mixed_norm_eps")
+            if attn.q_norm is not None or attn.k_norm is not None:
+                found.add("qk_norm")
+            if attn.sliding_window is not None:
+                found.add("sliding_window")
+            if attn.logit_softcap is not None:
+                found.add("attention_logit_softcap")
+            if attn.rotary.rotary_dim != attn.head_dim:
+                found.add("partial_rotary")
+            if attn.rotary != first.attention.rotary:
+                found.add("per_layer_rotary")
+            if mlp.activation != "silu":
+                found.add(f"activation_{mlp.activation}")
+            if not mlp.is_gated:
+                found.add("ungated_mlp")
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size) != (
+                    first.attention.num_heads, first.attention.num_kv_heads, first.attention.head_dim,
+                    first.mlp.intermediate_size):
+                found.add("per_layer_shapes")
+        return found
+
+    def refusal(self, executor: str, implemented: set[str]) -> str | None:
+        """Why ``executor``, which implements the features ``implemented``, cannot run this plan
+        (None: it can)."""
+        missing = self.features() - implemented
+        if not missing:
+            return None
+        return f"{executor} does not implement {', '.join(sorted(missing))} ({self.architecture})"
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def llama_plan(config: ModelConfig) -> DecoderPlan:
+    """Llama, SmolLM2 and Qwen2: pre-norms ``x * w``, SiLU-gated MLP, full rotary, one shape."""
+    rotary = RotarySpec(config.rope_theta, config.head_dim, _frozen(config.rope_scaling or {}))
+    attention = AttentionSpec(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                              config.head_dim ** -0.5, rotary, has_qkv_bias=config.attention_bias)
+    mlp = MlpSpec(config.intermediate_size, "silu", has_bias=config.mlp_bias)
+    layer = LayerPlan(attention, mlp, NormSpec("input_layernorm", config.rms_norm_eps),
+                      NormSpec("post_attention_layernorm", config.rms_norm_eps))
+    return DecoderPlan(config.model_type, config.vocab_size, config.hidden_size, (layer,) * config.num_hidden_layers,
+                       NormSpec("norm", config.rms_norm_eps), is_head_tied=config.tie_word_embeddings)
+
+
+# model_type -> its plan function: adding an architecture adds one entry (and its weight names).
+PLAN_BUILDERS: dict[str, Callable[[ModelConfig], DecoderPlan]] = {
+    "llama": llama_plan,
+    "qwen2": llama_plan,
+}
+
+
+def decoder_plan(config: ModelConfig) -> DecoderPlan:
+    """The plan of ``config``'s architecture."""
+    builder = PLAN_BUILDERS.get(config.model_type)
+    if builder is None:
+        raise ValueError(f"no decoder plan for model_type {config.model_type!r}; known: {sorted(PLAN_BUILDERS)}")
+    return builder(config)
