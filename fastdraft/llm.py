@@ -93,7 +93,7 @@ class LLM:
                                  [sampling_params or SamplingParams()])[0]
 
 
-class CausalLM:
+class PretrainedCausalLM:
     """What :meth:`AutoModelForCausalLM.from_pretrained` returns: HF-style ``generate``."""
 
     def __init__(self, loaded: LoadedModel, speculative: SpeculativeConfig | None,
@@ -110,7 +110,7 @@ class CausalLM:
     def model(self):
         return self.loaded.model
 
-    def _engine(self, assistant: "CausalLM | None") -> LLMEngine:
+    def _engine(self, assistant: "PretrainedCausalLM | None") -> LLMEngine:
         """The engine for ``assistant`` as draft (or the default draft, or none)."""
         draft = assistant.loaded if assistant is not None else self._default_assistant
         key = 0 if draft is None and self._speculative is None else id(draft)
@@ -125,7 +125,7 @@ class CausalLM:
 
     def generate(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 assistant_model: "CausalLM | None" = None, ignore_eos: bool = False) -> torch.Tensor:
+                 assistant_model: "PretrainedCausalLM | None" = None, ignore_eos: bool = False) -> torch.Tensor:
         """Continue each row of ``input_ids`` [batch, seq]; returns prompt + new ids, rows
         right-padded with the first EOS id when they end at different lengths."""
         ids = torch.as_tensor(input_ids)
@@ -151,9 +151,9 @@ class AutoModelForCausalLM:
 
     @classmethod
     def from_pretrained(cls, model: str, load_in_low_bit: str = "bf16", speculative: bool = False,
-                        assistant_model: CausalLM | None = None, num_speculative_tokens: int = 4,
+                        assistant_model: PretrainedCausalLM | None = None, num_speculative_tokens: int = 4,
                         device: str = "cpu", draft_device: str | None = None, max_seq_len: int = 4096,
-                        dtype: str = "bf16") -> CausalLM:
+                        dtype: str = "bf16") -> PretrainedCausalLM:
         if not isinstance(speculative, bool):
             raise ValueError(f"speculative must be True or False, got {speculative!r}")
         if load_in_low_bit in ("bf16", "fp32"):
@@ -162,4 +162,4 @@ class AutoModelForCausalLM:
         spec = SpeculativeConfig(draft="self", num_speculative_tokens=num_speculative_tokens,
                                  draft_device=draft_device) if speculative else None
         assistant = assistant_model.loaded if assistant_model is not None else None
-        return CausalLM(loaded, spec, assistant, max_seq_len)
+        return PretrainedCausalLM(loaded, spec, assistant, max_seq_len)

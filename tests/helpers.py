@@ -280,7 +280,7 @@ class LiveServer:
         # packages) need the other helpers without the server's dependencies.
         import uvicorn
 
-        from fastdraft.server.app import ServerConfig, build_app
+        from fastdraft.server.app import ServerConfig, build_fastapi_app
 
         self.engine: LLMEngine | None = None
 
@@ -288,7 +288,7 @@ class LiveServer:
             self.engine = LLMEngine(loaded, engine_config, speculation=speculation)
             return self.engine
 
-        app = build_app(load, ServerConfig(served_model_name=model_name, **server_config))
+        app = build_fastapi_app(load, ServerConfig(served_model_name=model_name, **server_config))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

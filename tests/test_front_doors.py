@@ -15,7 +15,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.generator import TextGenerator
 from fastdraft.llm import LLM
 from fastdraft.sampling_params import SamplingParams
-from fastdraft.server.app import ServerConfig, build_app
+from fastdraft.server.app import ServerConfig, build_fastapi_app
 
 MAX_MODEL_LEN = 64
 
@@ -60,7 +60,7 @@ def test_every_front_door_refuses_alike(model_dir, capsys):
     engine = _engine(model_dir)
     llm = LLM(str(model_dir), dtype="fp32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=0.01)
     generator = TextGenerator(engine.loaded, max_seq_len=MAX_MODEL_LEN)
-    app = build_app(functools.partial(_engine, model_dir), ServerConfig(served_model_name="tiny"))
+    app = build_fastapi_app(functools.partial(_engine, model_dir), ServerConfig(served_model_name="tiny"))
     with TestClient(app) as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:

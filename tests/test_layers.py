@@ -34,10 +34,10 @@ def test_no_function_level_imports_of_the_package_below_the_front_doors():
     assert not offenders, "\n".join(offenders)
 
 
-def test_no_two_modules_or_public_classes_share_a_name():
-    """A name says one thing: ``metrics.py`` or ``RequestOutput`` in two places make a reader
-    (and an import) guess which is meant."""
-    modules, classes = defaultdict(list), defaultdict(list)
+def test_no_two_modules_or_public_classes_or_functions_share_a_name():
+    """A name says one thing: ``metrics.py``, ``RequestOutput`` or ``build_app()`` in two places
+    make a reader (and an import) guess which is meant."""
+    modules, classes, functions = defaultdict(list), defaultdict(list), defaultdict(list)
     for path in sorted((ROOT / "fastdraft").rglob("*.py")):
         where = str(path.relative_to(ROOT))
         if path.name != "__init__.py":
@@ -45,5 +45,8 @@ def test_no_two_modules_or_public_classes_share_a_name():
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 classes[node.name].append(where)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                functions[node.name].append(where)
     assert not {name: paths for name, paths in modules.items() if len(paths) > 1}
     assert not {name: paths for name, paths in classes.items() if len(paths) > 1}
+    assert not {name: paths for name, paths in functions.items() if len(paths) > 1}

@@ -174,7 +174,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
     from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.quant.quant_config import parse_quant_spec
-    from fastdraft.server.app import ServerConfig, build_app, serve
+    from fastdraft.server.app import ServerConfig, build_fastapi_app, serve
 
     quant = parse_quant_spec(args.quant) if args.quant else None  # bad specs fail before the server starts
     engine_config = EngineConfig(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
@@ -196,7 +196,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     if args.backend == "ray":
         _serve_on_ray(args, load_engine, config)
         return
-    serve(build_app(load_engine, config), args.host, args.port, args.graceful_timeout,
+    serve(build_fastapi_app(load_engine, config), args.host, args.port, args.graceful_timeout,
           log_level="info" if args.verbose else "warning")
 
 

@@ -74,8 +74,8 @@ class _State:
         self.load_error: BaseException | None = None
 
 
-def build_app(load_engine: Callable[[], LLMEngine] | None, config: ServerConfig,
-              connect: Callable[[Callable[[StepStats], None]], EngineClient] | None = None) -> FastAPI:
+def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: ServerConfig,
+                      connect: Callable[[Callable[[StepStats], None]], EngineClient] | None = None) -> FastAPI:
     """The app; ``load_engine`` runs on a thread at start-up, or in the engine's child process
     with ``config.engine_process`` (``/health`` says 503 until it is done), so the port answers
     while the model loads. ``connect``, instead, makes a client of engines served elsewhere (Ray
@@ -417,4 +417,4 @@ def serve(app: FastAPI, host: str, port: int, graceful_timeout: float, log_level
     _Server(config).run()
 
 
-__all__ = ["ServerConfig", "build_app", "serve", "MAX_LOGPROBS"]
+__all__ = ["ServerConfig", "build_fastapi_app", "serve", "MAX_LOGPROBS"]

@@ -6,8 +6,8 @@
   server; its engine client (:class:`RayEngineClient`) sends each request to a replica through a
   streaming ``DeploymentHandle`` and hands the deltas on as they arrive.
 
-``build_app(args)`` is the application ``serve run fastdraft.server.ray_app:build_app`` and
-``serve deploy`` load; ``fastdraft serve --backend ray`` builds and runs the same.
+``build_ray_app(args)`` is the application ``serve run fastdraft.server.ray_app:build_ray_app``
+and ``serve deploy`` load; ``fastdraft serve --backend ray`` builds and runs the same.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.engine.output import RequestDelta
 from fastdraft.models.registry import DEFAULT_MODEL
 from fastdraft.process import configure_process
-from fastdraft.server.app import ServerConfig, build_app as build_fastapi_app
+from fastdraft.server.app import ServerConfig, build_fastapi_app
 from fastdraft.server.async_engine import AsyncEngine
 from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.engine_client import (EngineError, EngineInfo, QueuedRequest, QueueFullError, RequestStream,
@@ -365,8 +365,8 @@ def serving_engine(model: str, dtype: str, engine_config: EngineConfig) -> LLMEn
     return LLMEngine(load_model(model, dtype=dtype), engine_config)
 
 
-def build_app(args: dict[str, Any]):
-    """The application for ``serve run fastdraft.server.ray_app:build_app model=NAME`` and
+def build_ray_app(args: dict[str, Any]):
+    """The application for ``serve run fastdraft.server.ray_app:build_ray_app model=NAME`` and
     ``serve deploy``: ``args`` are the config's ``args`` (``model``, ``dtype``,
     ``served_model_name``, ``num_replicas``, ``num_cpus_per_replica``, ``max_num_seqs``,
     ``max_model_len``, ``max_queue``, ``autoscaling_config``, ``stream_interval``, ``router``)."""

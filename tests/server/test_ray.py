@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray import cloudpickle, serve  # noqa: E402
 
 from fastdraft.server.app import ServerConfig  # noqa: E402
-from fastdraft.server.ray_app import RayServeConfig, application, build_app, serving_engine  # noqa: E402
+from fastdraft.server.ray_app import RayServeConfig, application, build_ray_app, serving_engine  # noqa: E402
 from fastdraft.server.standin import StandInEngine  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -276,9 +276,9 @@ def test_the_prefix_router_keeps_shared_prompts_where_they_are_cached(ray_serve)
 
 def test_serve_run_builds_the_application_from_its_args(ray_serve, tiny_models):
     with pytest.raises(ValueError, match="router"):
-        build_app({"router": "nearest"})
-    serve.run(build_app({"model": str(tiny_models.dir("qwen2")), "dtype": "fp32", "served_model_name": MODEL,
-                         "max_model_len": MAX_MODEL_LEN, "router": "prefix", "stream_interval": 2}),
+        build_ray_app({"router": "nearest"})
+    serve.run(build_ray_app({"model": str(tiny_models.dir("qwen2")), "dtype": "fp32", "served_model_name": MODEL,
+                             "max_model_len": MAX_MODEL_LEN, "router": "prefix", "stream_interval": 2}),
               name="built", route_prefix="/built")
     try:
         url = f"{ray_serve}/built"
