@@ -50,7 +50,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden_size, kv_heads * dim, bias=bias)
         self.v_proj = Linear(hidden_size, kv_heads * dim, bias=bias)
         self.o_proj = Linear(heads * dim, hidden_size, bias=False)
-        self.q_norm, self.k_norm = _norm(spec.q_norm, dim), _norm(spec.k_norm, dim)
+        for norm in (spec.q_norm, spec.k_norm):
+            if norm is not None:
+                self.add_module(norm.name, _norm(norm, dim))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [1, num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], the first
@@ -71,10 +73,10 @@ class Attention(nn.Module):
         # [1, num_tokens, heads, head_dim]: rotary's layout
         q = q[:num_tokens].view(1, num_tokens, spec.num_heads, spec.head_dim)
         k = k[:num_tokens].view(1, num_tokens, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
+        if spec.q_norm is not None:
+            q = getattr(self, spec.q_norm.name)(q)
+        if spec.k_norm is not None:
+            k = getattr(self, spec.k_norm.name)(k)
         cos, sin = rotary_rows[spec.rotary]
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)  # [num_tokens, heads, head_dim]
         v = v[:num_tokens].view(num_tokens, spec.num_kv_heads, spec.head_dim)
