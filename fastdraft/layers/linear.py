@@ -1,4 +1,5 @@
-"""Dense linears, and several linears that read the same input (q/k/v, gate/up) run as one matmul.
+"""Dense linears, several linears that read the same input (q/k/v, gate/up) run as one matmul,
+and the C++ op of a linear for the C++ step.
 
 :class:`Linear` is ``nn.Linear`` with fastdraft's dense kernel; :func:`is_dense_linear` tells
 it (or ``nn.Linear``) from the quantized ``QuantLinear``. :func:`fused_linear` builds one matmul
@@ -17,6 +18,8 @@ from torch import nn
 from fastdraft.formats import QuantizedWeight
 from fastdraft.kernels import kernel_class
 from fastdraft.kernels.fused import dense_linear
+from fastdraft.kernels.ops.attention_ops import MAX_CAUSAL_DECODE_TOKENS
+from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.quant_linear import QuantLinear
 
 
@@ -100,3 +103,47 @@ def fused_linear(linears: list[nn.Module], dtype: torch.dtype, device: torch.dev
     if all(isinstance(lin, QuantLinear) for lin in linears):
         return _build_quant(linears, dtype, device)
     return None
+
+
+# The most tokens of one sequence that a decode or verification pass holds. A weight-only
+# kernel that switched to its large-M GEMM at or below it would make the module path and the
+# C++ step (always its int8 tiles) differ in the very passes that speculation compares, so such
+# a kernel keeps its layer on the module path.
+MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
+
+
+def cpu_linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
+               min_rows: int):
+    """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
+    if linear is None:
+        return None
+    if is_dense_linear(linear):
+        linear = FusedLinear(weight=linear.weight.detach(),
+                             bias=None if linear.bias is None else linear.bias.detach())
+    elif isinstance(linear, QuantLinear):
+        bias = None if linear.bias is None else linear.bias.detach()
+        linear = FusedLinear(kernel=linear.kernel_for(dtype, device), bias=bias)
+    elif not isinstance(linear, FusedLinear):
+        return None
+    if linear.bias is not None and linear.bias.dtype != dtype:
+        return None
+    if linear.kernel is None:
+        if linear.weight.dtype != dtype:
+            return None
+        return ext.dense_linear(linear.weight, linear.bias, min_rows)
+    kernel = linear.kernel
+    if not isinstance(kernel, X86WoqKernel) or kernel.large_m <= MAX_FUSED_TOKENS:
+        return None
+    return ext.woq_linear_op(*kernel.op_args, linear.bias)
+
+
+def cpu_projections_op(ext, owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype, device: torch.device,
+                    min_rows: int):
+    """One C++ op for projections sharing an input (q/k/v, gate/up): their fused matmul, or,
+    when their formats differ (e.g. an INT8 v_proj beside INT4 q/k), each run in turn and
+    concatenated, as the module path does."""
+    fused = fused_linear([getattr(owner, name) for name in names], dtype, device)
+    if fused is not None:
+        return cpu_linear_op(ext, fused, dtype, device, min_rows)
+    parts = [cpu_linear_op(ext, getattr(owner, name), dtype, device, min_rows) for name in names]
+    return None if any(part is None for part in parts) else ext.concat_linear(parts)

@@ -19,55 +19,11 @@ from torch import nn
 
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import is_batch_invariant
-from fastdraft.kernels.x86 import X86WoqKernel
-from fastdraft.kernels.ops.attention_ops import MAX_CAUSAL_DECODE_TOKENS, is_paged_block_size
+from fastdraft.kernels.ops.attention_ops import is_paged_block_size
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.linear import FusedLinear, fused_linear, is_dense_linear
+from fastdraft.layers.linear import cpu_linear_op, cpu_projections_op
 from fastdraft.layers.quant_linear import QuantLinear
 from fastdraft.models.plan import LayerPlan
-
-# The most tokens of one sequence that a decode or verification pass holds. A weight-only
-# kernel that switched to its large-M GEMM at or below it would make the module path and the
-# C++ step (always its int8 tiles) differ in the very passes that speculation compares, so such
-# a kernel keeps its layer on the module path.
-MAX_FUSED_TOKENS = MAX_CAUSAL_DECODE_TOKENS
-
-def _linear_op(ext, linear: FusedLinear | nn.Module | None, dtype: torch.dtype, device: torch.device,
-               min_rows: int):
-    """The C++ ``Linear`` for a fused or single projection, or ``None`` if it cannot run there."""
-    if linear is None:
-        return None
-    if is_dense_linear(linear):
-        linear = FusedLinear(weight=linear.weight.detach(),
-                             bias=None if linear.bias is None else linear.bias.detach())
-    elif isinstance(linear, QuantLinear):
-        bias = None if linear.bias is None else linear.bias.detach()
-        linear = FusedLinear(kernel=linear.kernel_for(dtype, device), bias=bias)
-    elif not isinstance(linear, FusedLinear):
-        return None
-    if linear.bias is not None and linear.bias.dtype != dtype:
-        return None
-    if linear.kernel is None:
-        if linear.weight.dtype != dtype:
-            return None
-        return ext.dense_linear(linear.weight, linear.bias, min_rows)
-    kernel = linear.kernel
-    if not isinstance(kernel, X86WoqKernel) or kernel.large_m <= MAX_FUSED_TOKENS:
-        return None
-    return ext.woq_linear_op(*kernel.op_args, linear.bias)
-
-
-def _projections_op(ext, owner: nn.Module, names: tuple[str, ...], dtype: torch.dtype, device: torch.device,
-                    min_rows: int):
-    """One C++ op for projections sharing an input (q/k/v, gate/up): their fused matmul, or,
-    when their formats differ (e.g. an INT8 v_proj beside INT4 q/k), each run in turn and
-    concatenated, as the module path does."""
-    fused = fused_linear([getattr(owner, name) for name in names], dtype, device)
-    if fused is not None:
-        return _linear_op(ext, fused, dtype, device, min_rows)
-    parts = [_linear_op(ext, getattr(owner, name), dtype, device, min_rows) for name in names]
-    return None if any(part is None for part in parts) else ext.concat_linear(parts)
-
 
 def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
     """The C++ layer of ``plan`` (pre-norms, q/k/v, o, gate/up, down) over ``layer``'s weights."""
@@ -77,10 +33,10 @@ def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device
     norms = [getattr(layer, n.name).weight.detach() for n in (plan.pre_attention_norm, plan.pre_mlp_norm)]
     if any(n.dtype != dtype for n in norms):
         return None
-    ops = [_projections_op(ext, layer.self_attn, ("q_proj", "k_proj", "v_proj"), dtype, device, min_rows),
-           _linear_op(ext, layer.self_attn.o_proj, dtype, device, min_rows),
-           _projections_op(ext, layer.mlp, ("gate_proj", "up_proj"), dtype, device, min_rows),
-           _linear_op(ext, layer.mlp.down_proj, dtype, device, min_rows)]
+    ops = [cpu_projections_op(ext, layer.self_attn, ("q_proj", "k_proj", "v_proj"), dtype, device, min_rows),
+           cpu_linear_op(ext, layer.self_attn.o_proj, dtype, device, min_rows),
+           cpu_projections_op(ext, layer.mlp, ("gate_proj", "up_proj"), dtype, device, min_rows),
+           cpu_linear_op(ext, layer.mlp.down_proj, dtype, device, min_rows)]
     if any(op is None for op in ops):
         return None
     return ext.DecoderLayer(*norms, plan.pre_attention_norm.eps, *ops, attn.num_heads, attn.num_kv_heads,
@@ -150,7 +106,7 @@ class FusedDecoder:
         if any(op is None for op in ops):
             return None
         lm_head = model.lm_head
-        head = _linear_op(ext, lm_head, dtype, device, min_rows) if isinstance(lm_head, QuantLinear) else None
+        head = cpu_linear_op(ext, lm_head, dtype, device, min_rows) if isinstance(lm_head, QuantLinear) else None
         return cls(ext, ops, decoder, head, dtype, device)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,

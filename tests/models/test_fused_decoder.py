@@ -10,7 +10,8 @@ from fastdraft.engine.loader import load_model
 from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.kv_cache import PagedKVCache, SequenceCache
 from fastdraft.kernels.mode import batch_invariant
-from fastdraft.models.fused_decoder import MAX_FUSED_TOKENS, FusedDecoder, _linear_op, _projections_op
+from fastdraft.layers.linear import MAX_FUSED_TOKENS, cpu_linear_op, cpu_projections_op
+from fastdraft.models.fused_decoder import FusedDecoder
 from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
@@ -127,10 +128,10 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
     ext = decoder.ext
     # A norm weight of the wrong size fails the first serial step of the region.
     mlp, cpu = layers[0].mlp, torch.device("cpu")
-    ops = [_projections_op(ext, attn, ("q_proj", "k_proj", "v_proj"), torch.bfloat16, cpu, 1),
-           _linear_op(ext, attn.o_proj, torch.bfloat16, cpu, 1),
-           _projections_op(ext, mlp, ("gate_proj", "up_proj"), torch.bfloat16, cpu, 1),
-           _linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
+    ops = [cpu_projections_op(ext, attn, ("q_proj", "k_proj", "v_proj"), torch.bfloat16, cpu, 1),
+           cpu_linear_op(ext, attn.o_proj, torch.bfloat16, cpu, 1),
+           cpu_projections_op(ext, mlp, ("gate_proj", "up_proj"), torch.bfloat16, cpu, 1),
+           cpu_linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
     bad = ext.DecoderLayer(torch.ones(3, dtype=torch.bfloat16), layers[0].post_attention_layernorm.weight.detach(),
                            1e-6, *ops, attn.spec.num_heads, attn.spec.num_kv_heads, attn.spec.head_dim, attn.spec.scale)
     step = ext.PagedDecoder([bad] + decoder.layer_ops[1:], model.model.embed_tokens.weight.detach(), None, 0.0, None)
