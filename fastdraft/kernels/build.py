@@ -2,9 +2,9 @@
 
 Two kinds of build, both cached by the identity of their sources, flags and toolchain:
 
-* **The driver** (``csrc/*.cpp``): work splitting, the decoder step and the Python bindings,
-  built with ``torch.utils.cpp_extension`` and *no* instruction-set flags, so nothing in it can
-  fault on any x86-64 CPU.
+* **The driver** (every ``csrc/*.cpp``): work splitting, the decoder step and the Python
+  bindings (``bindings.cpp``), built with ``torch.utils.cpp_extension`` and *no* instruction-set
+  flags, so nothing in it can fault on any x86-64 CPU.
 * **One library per instruction-set variant** (``csrc/isa/<name>.cpp``): the leaf kernels,
   built with that variant's flags into a small shared library exporting one table of function
   pointers (``csrc/isa/kernel_table.h``). Only the variant in use is compiled (seconds).
@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 ISA_SRC = CSRC / "isa"
-SOURCE_NAMES = ("isa.cpp", "woq.cpp", "fused.cpp", "attention.cpp", "decoder.cpp", "sampling.cpp")
-HEADER_NAMES = ("kernels.h", "isa/kernel_table.h")
+# Headers the driver includes from isa/ (besides every csrc/*.h).
+SHARED_HEADER_NAMES = ("isa/kernel_table.h",)
 # The driver is built with no instruction-set flags: those belong to the variants alone.
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 ISA_ENV = "FASTDRAFT_ISA"
@@ -114,6 +114,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def driver_sources(csrc: Path = CSRC) -> list[Path]:
+    """The driver's translation units: every ``.cpp`` directly in ``csrc``. Globbed, not listed,
+    so a folder with another file list (an A/B baseline, benchmarks/ab_kernels.py) builds too."""
+    return sorted(csrc.glob("*.cpp"))
+
+
 def _digest(paths: list[Path], extra: str) -> str:
     key = hashlib.sha256(extra.encode())
     for path in paths:
@@ -125,9 +131,13 @@ def source_key(csrc: Path = CSRC) -> str:
     """Identity of a driver build from ``csrc``: its sources and headers, the compiler flags and
     the torch/Python versions, so a change to any of them rebuilds instead of loading a stale
     binary. The folder's path is part of it too: torch's build files record the source paths,
-    so each checkout gets a build folder of its own instead of silently recompiling another's."""
-    return _digest([csrc / n for n in SOURCE_NAMES + HEADER_NAMES],
-                   f"{csrc.resolve()} {' '.join(CFLAGS)} {torch.__version__} {sys.version_info[:2]}")
+    so each checkout gets a build folder of its own instead of silently recompiling another's.
+    The file names count as well as their contents, so code moved between files rebuilds."""
+    sources = driver_sources(csrc)
+    headers = sorted(csrc.glob("*.h")) + [csrc / n for n in SHARED_HEADER_NAMES]
+    names = " ".join(p.relative_to(csrc).as_posix() for p in sources + headers)
+    return _digest(sources + headers,
+                   f"{csrc.resolve()} {names} {' '.join(CFLAGS)} {torch.__version__} {sys.version_info[:2]}")
 
 
 def cache_dir() -> Path:
@@ -147,7 +157,7 @@ def compile_extension(name: str, csrc: Path, build_dir: Path) -> ModuleType:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
-    return cpp_extension.load(name=name, sources=[str(csrc / n) for n in SOURCE_NAMES], extra_cflags=CFLAGS,
+    return cpp_extension.load(name=name, sources=[str(p) for p in driver_sources(csrc)], extra_cflags=CFLAGS,
                               extra_ldflags=["-fopenmp", "-ldl"], build_directory=str(build_dir), verbose=False)
 
 

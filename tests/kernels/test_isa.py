@@ -16,8 +16,8 @@ import torch
 import fastdraft.kernels
 
 from fastdraft.formats import PER_CHANNEL, pack_int4, pack_int6, quantize, sym_zero_point, unpack_int4, unpack_int6
-from fastdraft.kernels.build import (ISA_NAMES, build_isa_library, cache_dir, load_cpu_kernels, load_driver,
-                                     runnable_isas, select_isa)
+from fastdraft.kernels.build import (ISA_NAMES, CpuKernels, build_isa_library, cache_dir, load_cpu_kernels,
+                                     load_driver, runnable_isas, select_isa)
 from fastdraft.kernels.x86 import X86WoqKernel
 
 pytestmark = pytest.mark.skipif(load_driver() is None, reason="fastdraft's C++ kernels cannot build here")
@@ -74,6 +74,15 @@ def test_intrinsics_live_only_in_the_simd_layers():
                  if re.search(r"\b_mm\d*_\w+|\b__m(128|256|512)|immintrin\.h", line)]
     assert offenders == []
     assert sorted(p.name for p in csrc.rglob("simd_*.h")) == ["simd_avx2.h", "simd_avx512.h"]
+
+
+def test_no_variant_probes_the_cpu_vendor():
+    """Tuning by vendor is the driver's choice (isa.cpp::cpu_tuning), passed with each call."""
+    isa_src = Path(fastdraft.kernels.__file__).parent / "csrc" / "isa"
+    offenders = [f"{p.name}:{i}" for p in isa_src.iterdir() if p.suffix in (".h", ".cpp")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"__builtin_cpu_is\b|__get_cpuid\b|\bcpuid\b", line)]
+    assert offenders == []
 
 
 def test_the_driver_holds_no_avx_instruction():
@@ -246,3 +255,40 @@ def test_sampling_kernels_match_scalar(isa):
     probs = torch.softmax(torch.randn(6, 1000, generator=gen), -1)
     uniform = torch.rand(6, generator=gen, dtype=torch.float64)
     assert torch.equal(simd.sample_rows(probs, uniform), scalar.sample_rows(probs, uniform))
+
+
+TUNING_NAMES = ("woq_few_rows_prefetch", "woq_one_chain_many_rows", "attention_prefetch_l2")
+
+
+def test_the_driver_tunes_for_this_cpu_and_takes_overrides():
+    driver, path = load_driver(), str(build_isa_library("scalar"))
+    tuning = driver.load_isa(path).tuning
+    assert sorted(tuning) == sorted(TUNING_NAMES)
+    flipped = {name: not value for name, value in tuning.items()}
+    assert driver.load_isa(path, tuning=flipped).tuning == flipped
+    with pytest.raises(RuntimeError, match="unknown tuning choice"):
+        driver.load_isa(path, tuning={"prefetch_everything": True})
+
+
+@pytest.mark.parametrize("isa", SIMD_ISAS)
+def test_no_tuning_changes_a_result(isa):
+    """Every tuning choice runs here whatever this CPU's vendor, and gives the same bits."""
+    driver, path = load_driver(), str(build_isa_library(isa))
+    tunings = [{}, dict.fromkeys(TUNING_NAMES, False), dict.fromkeys(TUNING_NAMES, True)]
+    kernels = [CpuKernels(driver, driver.load_isa(path, tuning=t)) for t in tunings]
+    gen = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(72, 384, generator=gen), 4, 32, sym=True)
+    weights = [X86WoqKernel(qw, torch.float32, torch.device("cpu"), kernels=k).op_args for k in kernels]
+    for rows in range(1, 10):  # few rows (prefetch), 5+ rows (chains)
+        x = _activations(rows, 384)
+        y = [k.woq_linear(x, *w) for k, w in zip(kernels, weights)]
+        assert all(torch.equal(y[0], other) for other in y[1:])
+    heads, kv_heads, block_size, head_dim = 4, 2, 16, 64
+    k_blocks, v_blocks = (torch.randn(16, kv_heads, block_size, head_dim, generator=gen) for _ in range(2))
+    tables = torch.randperm(16, generator=gen)[:12].reshape(1, 12)
+    q = torch.randn(2, heads, head_dim, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the bf16 dot products where the CPU has them
+        args = (q.to(dtype), k_blocks.to(dtype), v_blocks.to(dtype), tables, torch.tensor([0, 2]),
+                torch.tensor([180]), head_dim ** -0.5)
+        out = [k.paged_attention(*args) for k in kernels]
+        assert all(torch.equal(out[0], other) for other in out[1:])

@@ -118,6 +118,7 @@ void fastdraft::paged_attention_items(PagedAttentionPlan& p, int64_t i0, int64_t
   args.block_stride = p.kv_heads * p.block_size * d;
   args.block_shift = p.shift;
   args.head_dim = d;
+  args.tuning = p.isa->tuning;
   for (int64_t it = i0; it < i1; ++it) {
     const PagedItem& item = p.items[it];
     const int64_t s = item.seq, len = ctx[s], num_new = qsl[s + 1] - qsl[s];

@@ -3,13 +3,16 @@
 // cpu_features() reads CPUID and XGETBV: an instruction set is usable only if the CPU has it
 // and the OS saves its registers on a context switch (XCR0), which CPUID alone does not say.
 // fastdraft/kernels/build.py picks the best variant from these, builds its library, and
-// load_isa() maps it; the driver then calls its kernels through the table (kernel_table.h).
+// load_isa() maps it; the driver then calls its kernels through the table (kernel_table.h),
+// passing with each call the tuning cpu_tuning() chose for this CPU.
 #include <torch/extension.h>
 
 #include <cpuid.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -61,8 +64,44 @@ std::map<std::string, bool> cpu_features() {
   return f;
 }
 
+// The speed choices the instruction sets leave open (kernel_table.h::Tuning), decided here so
+// that the variants hold no vendor probe; timed on AMD Zen 4 and on Sapphire Rapids-class Xeons.
+fastdraft::Tuning cpu_tuning() {
+  __builtin_cpu_init();
+  const bool is_amd = __builtin_cpu_is("amd");
+  fastdraft::Tuning t{};
+  // On AMD an L1 prefetch serializes compute and memory, and a cold few-row GEMV ran faster
+  // with no software prefetch at all (more rows take longer per line, and their L2 prefetch
+  // pays off there too); on Intel few-row calls would otherwise wait on L2.
+  t.woq_few_rows_prefetch = !is_amd;
+  // On Zen 4, from 5 rows the independent rows alone cover vpdpbusd's latency, and a second
+  // chain only costs an add per row and block.
+  t.woq_one_chain_many_rows = is_amd;
+  // On AMD, L1 prefetches stall on the few L1 miss buffers.
+  t.attention_prefetch_l2 = is_amd;
+  return t;
+}
+
+// Tuning's fields by name, as Python sees and overrides them.
+struct TuningField {
+  const char* name;
+  int32_t fastdraft::Tuning::*field;
+};
+constexpr TuningField kTuningFields[] = {
+    {"woq_few_rows_prefetch", &fastdraft::Tuning::woq_few_rows_prefetch},
+    {"woq_one_chain_many_rows", &fastdraft::Tuning::woq_one_chain_many_rows},
+    {"attention_prefetch_l2", &fastdraft::Tuning::attention_prefetch_l2},
+};
+
+std::map<std::string, bool> tuning_dict(const fastdraft::Tuning& t) {
+  std::map<std::string, bool> d;
+  for (const auto& f : kTuningFields) d[f.name] = t.*f.field != 0;
+  return d;
+}
+
 // Maps a variant library and checks that its table is the one this driver was built against.
-fastdraft::IsaPtr load_isa(const std::string& path) {
+// overrides replace the CPU's tuning choices by name, so tests can run every choice on one CPU.
+fastdraft::IsaPtr load_isa(const std::string& path, const std::map<std::string, bool>& overrides) {
   // RTLD_LOCAL: nothing of the variant's joins the process's symbols, so no code built with its
   // flags can stand in for a function of the driver's. Never unloaded: tables stay valid.
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -75,6 +114,13 @@ fastdraft::IsaPtr load_isa(const std::string& path) {
               "kernel variant ", path, " was built against another kernel table");
   auto isa = std::make_shared<fastdraft::Isa>();
   isa->table = table;
+  isa->tuning = cpu_tuning();
+  for (const auto& [name, value] : overrides) {
+    const TuningField* f = std::find_if(std::begin(kTuningFields), std::end(kTuningFields),
+                                        [&](const TuningField& t) { return name == t.name; });
+    TORCH_CHECK(f != std::end(kTuningFields), "unknown tuning choice ", name);
+    isa->tuning.*f->field = value;
+  }
   isa->path = path;
   return isa;
 }
@@ -88,8 +134,11 @@ void bind_isa(pybind11::module& m) {
       .def_property_readonly("name", [](const fastdraft::Isa& isa) { return std::string(isa.table->name); })
       .def_property_readonly("tile_rows", [](const fastdraft::Isa& isa) { return isa.table->tile_rows; })
       .def_property_readonly("has_bf16_dot", [](const fastdraft::Isa& isa) { return isa.table->has_bf16_dot() != 0; })
+      .def_property_readonly("tuning", [](const fastdraft::Isa& isa) { return tuning_dict(isa.tuning); })
       .def_readonly("path", &fastdraft::Isa::path);
-  m.def("load_isa", [](const std::string& path) { return load_isa(path); },
-        "map a kernel variant library", py::arg("path"));
+  m.def("load_isa", [](const std::string& path, const std::map<std::string, bool>& tuning) {
+    return load_isa(path, tuning);
+  }, "map a kernel variant library; tuning: choices to make instead of this CPU's, by name", py::arg("path"),
+        py::arg("tuning") = std::map<std::string, bool>());
   m.def("cpu_features", &cpu_features, "instruction sets the CPU has and the OS enables (CPUID, XGETBV)");
 }

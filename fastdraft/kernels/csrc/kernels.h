@@ -3,6 +3,7 @@
 // and (for attention) a finish. The public ops (woq_linear, paged_attention) are these pieces
 // run under at::parallel_for. The driver is built with no ISA flags: every leaf kernel is
 // called through the KernelTable of the variant in use (isa/kernel_table.h, isa.cpp).
+// Last, the ops the Python module binds (bindings.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -17,9 +18,11 @@
 namespace fastdraft {
 
 // One loaded instruction-set variant (isa.cpp::load_isa): its kernel table, valid for the
-// life of the process (variant libraries are never unloaded).
+// life of the process (variant libraries are never unloaded), and the tuning the driver passes
+// with each call to it.
 struct Isa {
   const KernelTable* table = nullptr;
+  Tuning tuning{};
   std::string path;
 };
 using IsaPtr = std::shared_ptr<Isa>;
@@ -148,3 +151,28 @@ void rope_to_paged_cache_heads(const torch::Tensor& qkv, const torch::Tensor& co
                                const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0, int64_t g1);
 
 }  // namespace fastdraft
+
+// ---- The module's ops and bind_* functions, for bindings.cpp --------------------------------
+// fused.cpp
+torch::Tensor rms_norm(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(const fastdraft::IsaPtr& isa, torch::Tensor x);
+torch::Tensor rotary(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                     int64_t heads, int64_t head_dim);
+// attention.cpp
+torch::Tensor paged_attention(const fastdraft::IsaPtr& isa, torch::Tensor q, torch::Tensor k_blocks,
+                              torch::Tensor v_blocks, torch::Tensor block_tables, torch::Tensor query_start_loc,
+                              torch::Tensor context_lens, double scale);
+// woq.cpp
+torch::Tensor woq_linear(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                         torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,
+                         double zero_const);
+torch::Tensor woq_block_sums(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                             torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,
+                             double zero_const);
+torch::Tensor woq_dequantize(const fastdraft::IsaPtr& isa, torch::Tensor packed, torch::Tensor scales,
+                             torch::Tensor zeros, int64_t bits, int64_t n, int64_t k, int64_t k_pad, int64_t block,
+                             int64_t group, double zero_const, at::ScalarType dtype);
+// Each adds its own file's ops and classes to the module: isa.cpp, decoder.cpp, sampling.cpp.
+void bind_isa(pybind11::module& m);
+void bind_decoder(pybind11::module& m);
+void bind_sampling(pybind11::module& m);

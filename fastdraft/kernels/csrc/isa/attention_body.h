@@ -24,8 +24,8 @@ constexpr int64_t kMaxHeadDim = 256;
 // Software prefetch this many keys ahead, through the block table: a head's keys are one run
 // per block, the blocks scattered through the pool, and the hardware prefetchers stop at every
 // jump between blocks, so without it each run starts with a DRAM round trip (32 keys ahead
-// timed better than 16 and 64). Into L1 on Intel; into L2 on AMD, where L1 prefetches stall
-// on the few L1 miss buffers.
+// timed better than 16 and 64). Into L1 or L2 as the driver's tuning says
+// (Tuning::attention_prefetch_l2).
 constexpr int64_t kKeysAhead = 32;
 
 template <typename T>

@@ -19,10 +19,21 @@ namespace fastdraft {
 
 // Bumped whenever a struct or a function's meaning below changes: the driver refuses a
 // variant library built against another version.
-constexpr uint32_t kKernelTableVersion = 1;
+constexpr uint32_t kKernelTableVersion = 2;
 
 // Element type of activations, caches and outputs.
 enum ElementType : int32_t { kElemFloat32 = 0, kElemBFloat16 = 1 };
+
+// Speed choices that depend on the CPU's microarchitecture rather than its instruction sets.
+// The driver makes them (isa.cpp::cpu_tuning) and passes them with each call, so that no
+// variant probes the CPU's vendor. They never change a result. Nonzero: true.
+struct Tuning {
+  int32_t woq_few_rows_prefetch;    // calls of up to the layer's kFewRows rows prefetch the weights
+                                    //   into L2 and L1 (0: no software prefetch at all)
+  int32_t woq_one_chain_many_rows;  // calls of 5 rows or more (woq_body.h::kOneChainMinRows) keep
+                                    //   one accumulator chain per row
+  int32_t attention_prefetch_l2;    // keys and values are prefetched into L2 (0: into L1)
+};
 
 // Activations of one weight-only matmul, quantized to int8 per block of `block` columns:
 // d_b = absmax_b / 127 (fp32), q = round-half-even(x * (1 / d_b)) (0 where d_b == 0).
@@ -46,6 +57,7 @@ struct WoqView {
   void* out;                  // output column 0 of this weight in an [rows, ldo] matrix
   int64_t ldo;
   int32_t out_type;           // ElementType of out
+  Tuning tuning;              // the driver's, for this CPU
 };
 
 // One split of keys [l0, l1) of one (sequence, kv head) for `rows` query rows; row r sees only
@@ -64,6 +76,7 @@ struct AttendArgs {
   float* max_out;             // [rows]: the row's largest score in the split
   float* sum_out;             // [rows]: sum of exp(score - max)
   float* acc_out;             // [rows, head_dim]: unnormalised sum of exp(score - max) * v
+  Tuning tuning;              // the driver's, for this CPU
 };
 
 struct KernelTable {

@@ -22,7 +22,7 @@ using Vi = __m512i;
 
 // Tuning: activation rows sharing one pass over a weight tile (32 registers hold 8 rows'
 // accumulators); rows of P V per pass (6 rows x 4 vectors of accumulators); calls of up to
-// kFewRows rows prefetch the weight stream into L1 too.
+// kFewRows rows take the few-row prefetch (kernel_table.h::Tuning::woq_few_rows_prefetch).
 constexpr int kWoqMaxRows = 8;
 constexpr int kPvRows = 6;
 constexpr int kAccumulatorRegs = 16;  // int32 accumulators a tile pass may keep: half the 32 registers

@@ -75,7 +75,7 @@ int32_t has_bf16_dot_entry() { return has_bf16_dot() ? 1 : 0; }
 
 void attend_split(const AttendArgs* args) {
   with_type(args->type, [&](auto e) {
-    if (is_amd_cpu()) attend_split_of<decltype(e), true>(*args);
+    if (args->tuning.attention_prefetch_l2) attend_split_of<decltype(e), true>(*args);
     else attend_split_of<decltype(e), false>(*args);
   });
 }

@@ -46,11 +46,10 @@ constexpr bool kInt32Partials = simd::kPartialLimit > 32767;
 // Software prefetch of the weight stream, once per 64-byte line:
 // * kL2: 32 KB ahead into L2. The hardware prefetcher alone leaves bandwidth unused on Intel,
 //   so decode steps wait on memory.
-// * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to simd::kFewRows rows on Intel, which
-//   consume each line fastest and would otherwise wait on L2.
-// * kNone on AMD for those few-row calls: an L1 prefetch serializes compute and memory there,
-//   and a cold GEMV ran faster with no software prefetch at all. From more rows, where each line
-//   takes longer to consume, the L2 prefetch pays off on AMD too.
+// * kL2L1: kL2 plus 4 KB ahead into L1, for calls of up to simd::kFewRows rows, which consume
+//   each line fastest and would otherwise wait on L2.
+// * kNone for those few-row calls where the driver's tuning asks for no software prefetch
+//   (Tuning::woq_few_rows_prefetch).
 enum class Prefetch { kNone, kL2, kL2L1 };
 constexpr int64_t kL2PrefetchBytes = 32768;
 constexpr int64_t kL1PrefetchBytes = 4096;
@@ -59,17 +58,9 @@ constexpr int64_t kL1PrefetchBytes = 4096;
 // order (tiles outside, all rows inside would scatter the writes over an output that has
 // outgrown L2).
 constexpr int64_t kRowBlock = 32;
-// On AMD Zen 4, from 5 rows the independent rows alone cover vpdpbusd's latency, and a second
-// chain only costs an add per row and block: one chain is faster there.
-constexpr int kAmdOneChainMinRows = 5;
-
-inline bool is_amd_cpu() {
-  static const bool is_amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd");
-  }();
-  return is_amd;
-}
+// Rows from which the driver's tuning may ask for one accumulator chain
+// (Tuning::woq_one_chain_many_rows): the independent rows alone may cover vpdpbusd's latency.
+constexpr int kOneChainMinRows = 5;
 
 // ---- activation quantization -----------------------------------------------------------------
 // Blocks [b0, b1) of row m, as Activations8 defines them; bit for bit the oracle's values (the
@@ -117,6 +108,7 @@ struct TileJob {            // one tile's work, resolved once per tile
   int32_t out_type;
   int valid;                // output rows of the tile that exist
   int32_t* sums;            // woq_block_sums: [rows, num_blocks, 16], instead of out
+  fastdraft::Tuning tuning;
 };
 
 template <int BITS> constexpr int64_t kChunkK = BITS == 8 ? 4 : 8;
@@ -328,9 +320,9 @@ FASTDRAFT_TILE_KERNEL_ATTR void tile_kernel(const TileJob& j, const Activations8
 }
 
 // Rows [m0, m0 + rows) of one tile, rows <= kMaxRows, with the prefetch and chains chosen for
-// the row count and the CPU. Every vector of the tile row in one pass, so the weights stream
-// once, in order (a pass per vector would re-read the tile row from memory); a pass of
-// fewer vectors for a last tile that needs fewer.
+// the row count and the driver's tuning. Every vector of the tile row in one pass, so the
+// weights stream once, in order (a pass per vector would re-read the tile row from memory); a
+// pass of fewer vectors for a last tile that needs fewer.
 template <int BITS, bool ASYM, int CPB>
 void tile_rows(const TileJob& j, const Activations8& a, int64_t m0, int rows) {
   const int num_vecs = j.sums ? kTileVecs : (j.valid + simd::kLanes - 1) / simd::kLanes;
@@ -340,11 +332,11 @@ void tile_rows(const TileJob& j, const Activations8& a, int64_t m0, int rows) {
     auto shaped = [&](auto nh_tag) {
       constexpr int NH = decltype(nh_tag)::value;
       if constexpr (R <= simd::kFewRows) {
-        if (is_amd_cpu()) return tile_kernel<BITS, ASYM, R, NH, CPB, CH, Prefetch::kNone>(j, a, m0);
+        if (!j.tuning.woq_few_rows_prefetch) return tile_kernel<BITS, ASYM, R, NH, CPB, CH, Prefetch::kNone>(j, a, m0);
         return tile_kernel<BITS, ASYM, R, NH, CPB, CH, Prefetch::kL2L1>(j, a, m0);
       }
-      if constexpr (R >= kAmdOneChainMinRows && CH > 1) {
-        if (is_amd_cpu()) return tile_kernel<BITS, ASYM, R, NH, CPB, 1, Prefetch::kL2>(j, a, m0);
+      if constexpr (R >= kOneChainMinRows && CH > 1) {
+        if (j.tuning.woq_one_chain_many_rows) return tile_kernel<BITS, ASYM, R, NH, CPB, 1, Prefetch::kL2>(j, a, m0);
       }
       tile_kernel<BITS, ASYM, R, NH, CPB, CH, Prefetch::kL2>(j, a, m0);
     };
@@ -389,6 +381,7 @@ __attribute__((noinline)) void woq_tiles_of(const WoqView& wv, const Activations
   j.ldo = wv.ldo;
   j.out_type = wv.out_type;
   j.sums = sums;
+  j.tuning = wv.tuning;
   for (int64_t mb = 0; mb < a.rows; mb += kRowBlock) {
     const int64_t mb_end = std::min(a.rows, mb + kRowBlock);
     for (int64_t t = t0; t < t1; ++t) {
