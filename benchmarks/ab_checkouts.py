@@ -43,7 +43,7 @@ if configure_process is not None:
     configure_process(num_threads=int(threads))
 else:
     torch.set_num_threads(int(threads))
-loaded = load_model(model, dtype="bf16")
+loaded = load_model(model, dtype="bf16", keep_gguf_quant=False)
 if quant != "bf16":
     quantize_model(loaded.model, parse_quant_spec(quant), show_progress=False)
 ids = loaded.tokenizer.encode(open(__import__("os").__file__).read())

@@ -53,7 +53,7 @@ def load_with(ext: build.CpuKernels, args: argparse.Namespace):
     for module in _LOADER_USERS:
         module.load_cpu_kernels = lambda ext=ext: ext
     # load_in_low_bit's quantization, with the group size asked for (load_in_low_bit's is 32).
-    loaded = load_model(args.model, dtype="bf16" if args.quant is not None else args.low_bit)
+    loaded = load_model(args.model, dtype="bf16" if args.quant is not None else args.low_bit, keep_gguf_quant=False)
     if args.quant is not None:
         quantize_model(loaded.model, args.quant, show_progress=False)
     model = loaded.model

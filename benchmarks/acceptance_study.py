@@ -45,7 +45,7 @@ def next_token_logits(model: CausalLM, prompt: list[int], new_ids: list[int],
 
 def make_draft(name: str, kind: str):
     """The draft as speculative decoding builds it (``rtn``), unquantized (``bf16``) or GPTQ."""
-    draft = load_model(name, dtype="bf16")
+    draft = load_model(name, dtype="bf16", keep_gguf_quant=False)
     config = SpeculativeConfig(draft=name)
     if kind == "rtn":
         return prepare_draft(draft, config)

@@ -40,10 +40,10 @@ def main() -> None:
     configs = [parse_quant_spec(spec) for spec in args.quant]
     if any(c.needs_calibration for c in configs):
         parser.error("calibrated methods (GPTQ, AWQ) are not timed here: their layout is RTN's")
-    reference = load_model(args.model, dtype="bf16").model
+    reference = load_model(args.model, dtype="bf16", keep_gguf_quant=False).model
     models = [reference]
     for config in configs:
-        model = load_model(args.model, dtype="bf16").model
+        model = load_model(args.model, dtype="bf16", keep_gguf_quant=False).model
         models.append(quantize_model(model, config, None, show_progress=False))
     times = DecodeStepTimer(args.steps).time_interleaved(models, args.rounds)
     rows = [{"config": "bf16 reference" if i == 0 else configs[i - 1].label,

@@ -144,7 +144,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     start = time.perf_counter()
     if "pair" in cases or "ngram" in cases:
-        target = load_model(TARGET, dtype="bf16")
+        target = load_model(TARGET, dtype="bf16", keep_gguf_quant=False)
         quantize_model(target.model, QuantConfig.from_low_bit("sym_int4", group_size=128), show_progress=False)
         prompts = code_prompts(target.tokenizer, 64, args.prompt_tokens)
         if "pair" in cases:
@@ -163,7 +163,7 @@ def main() -> None:
         del target
         gc.collect()
     if "self" in cases:
-        target = load_model(TARGET, dtype="bf16")
+        target = load_model(TARGET, dtype="bf16", keep_gguf_quant=False)
         prompts = code_prompts(target.tokenizer, 64, args.prompt_tokens)
         plain, spec = engine_pair(target, SpeculativeConfig(draft="self"), args)
         compare("self (bf16)", plain, spec, prompts, 1, greedy, args)

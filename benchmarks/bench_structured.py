@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench_results/structured.json"))
     args = parser.parse_args()
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads", flush=True)
-    engine = LLMEngine(load_model(pull(args.model), dtype=args.dtype), EngineConfig(max_model_len=2048))
+    engine = LLMEngine(load_model(pull(args.model), dtype=args.dtype, keep_gguf_quant=False), EngineConfig(max_model_len=2048))
     results: dict = {"config": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_model()}
     results["validity"] = _validity(engine, args.max_tokens)
     results["ttft"] = _ttft(engine)

@@ -33,12 +33,12 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
 
-    reference = load_model(args.model, dtype="bf16")
+    reference = load_model(args.model, dtype="bf16", keep_gguf_quant=False)
     samples = None
     if config.needs_calibration:  # GPTQ and AWQ see calibration text (stdlib code and prose)
         samples = calibration_samples(reference.tokenizer, config.num_calib_samples, config.calib_seq_len,
                                       config.seed)
-    candidate = load_model(args.model, dtype="bf16")
+    candidate = load_model(args.model, dtype="bf16", keep_gguf_quant=False)
     quantize_model(candidate.model, config, samples)
     save_quantized(candidate.model, args.output, candidate.model_dir)
 

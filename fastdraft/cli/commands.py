@@ -51,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "a sequence stops a step's drafting after an unconfident one "
                           "(default: SpeculativeConfig's, 0.5; 0: off)")
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
-                     help="quantize on the fly at load time (RTN)")
+                     help="bf16/fp32: the dequantized reference; sym_int4/asym_int4/int8: the reference "
+                          "quantized on the fly (RTN). Default: a GGUF model runs on its file's own blocks")
     gen.add_argument("--keep-gguf-quant", action="store_true",
-                     help="keep the quantized blocks of the model's GGUF file (a known name or a .gguf path) "
-                          "instead of its dequantized weights: the file's own precision")
+                     help="run on the quantized blocks of the model's GGUF file (a known name or a .gguf path), "
+                          "the default on a CPU; an error for a model without one")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
     srv.add_argument("--model", default=DEFAULT_MODEL, help="known name, HF folder or .gguf path")
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--quant", default=None, help="quantize first: key=value,... or a JSON file "
                          "(method=gguf keeps a GGUF file's own blocks)")
     weights.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"],
-                         default=None, help="quantize on the fly at load time (RTN)")
+                         default=None, help="bf16/fp32: the dequantized reference; sym_int4/asym_int4/int8: the "
+                         "reference quantized on the fly (RTN). Default: a GGUF model runs on its file's own blocks")
     srv.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local clients only)")
     srv.add_argument("--port", type=_port, default=8000)
@@ -116,7 +118,7 @@ def _cmd_pull(args: argparse.Namespace) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> None:
     from fastdraft.engine.llm_engine import EngineConfig
-    from fastdraft.engine.loader import load_model
+    from fastdraft.engine.loader import describe_weights, load_model
     from fastdraft.generator import TextGenerator
     from fastdraft.sampling_params import SamplingParams
     from fastdraft.speculative.speculative_config import SpeculativeConfig
@@ -130,7 +132,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         spec = SpeculativeConfig(draft=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
-                        keep_gguf_quant=args.keep_gguf_quant)
+                        keep_gguf_quant=True if args.keep_gguf_quant else None)
     config = EngineConfig(max_num_seqs=1, max_model_len=args.max_seq_len, enforce_eager=args.enforce_eager)
     generator = TextGenerator(loaded, speculative=spec, engine_config=config)
     stream = generator.stream(args.prompt, params, chat=args.chat)
@@ -145,6 +147,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
           f"prompt {m.num_prompt_tokens} tokens]", file=sys.stderr)
     if m.spec is not None:
         print(f"[speculative: {m.spec.summary()}]", file=sys.stderr)
+    print(f"[weights: {describe_weights(loaded.model)}]", file=sys.stderr)
 
 
 def _port(text: str) -> int:
@@ -264,6 +267,8 @@ def _info() -> str:
         f"threads: {torch.get_num_threads()}",
         f"kernel cache: {cache_dir()}",
         f"FASTDRAFT_HOME: {fastdraft_home()}",
+        "weights: a model from a GGUF file (a known name, a .gguf path) runs on the file's own blocks on the CPU; "
+        "--load-in-low-bit bf16 runs the dequantized reference",
     ])
 
 

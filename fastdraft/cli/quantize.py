@@ -87,7 +87,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         report_dir = Path(args.report_dir or (Path(args.output) / "report" if args.output else "fastdraft-auto-report"))
         if args.report_dir:
             check_output_path(report_dir, is_dir=True)
-        loaded = load_model(args.model, dtype=args.dtype)
+        loaded = load_model(args.model, dtype=args.dtype, keep_gguf_quant=False)
         timer = DecodeStepTimer(space.num_decode_tokens)
         logging.getLogger("fastdraft.quant.auto").setLevel(logging.INFO)  # a line per candidate, as it is tried
         result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
@@ -156,7 +156,7 @@ def quantized_model(model: str, config, dtype: str):
     if config.is_gguf_native:
         gguf_source(model)  # a model without a GGUF file fails before loading
         return load_model(model, dtype=dtype, keep_gguf_quant=True)
-    loaded = load_model(model, dtype=dtype)
+    loaded = load_model(model, dtype=dtype, keep_gguf_quant=False)
     samples = calibration_samples(loaded.tokenizer, config.num_calib_samples, config.calib_seq_len, config.seed) \
         if config.needs_calibration else None
     quantize_model(loaded.model, config, samples)
@@ -187,7 +187,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path(args.json, is_dir=False)
     user_texts = read_text_files(args.text or [], args.text_dir or []) if args.text or args.text_dir else None
-    reference = load_model(args.model, dtype=args.dtype)
+    reference = load_model(args.model, dtype=args.dtype, keep_gguf_quant=False)
     seq_len = min(args.seq_len, reference.config.max_position_embeddings)
     if user_texts is not None:
         try:  # the user's text is scored whole, in windows of seq_len tokens

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.engine.block_manager import BlockManager
+from fastdraft.engine.loader import describe_weights
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.output import RequestCollector, RequestDelta, RequestOutput
 from fastdraft.engine.request import check_request
@@ -129,6 +130,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         model = loaded.model
         self.vocab_size = loaded.config.vocab_size
+        self.weights = describe_weights(loaded.model)  # which weights run, for /v1/models
         self.max_model_len = min(self.config.max_model_len, loaded.config.max_position_embeddings)
         num_blocks = self.config.pool_blocks(PagedKVCache.bytes_per_block(loaded.config, self.config.block_size,
                                                                           model.dtype), self.max_model_len)

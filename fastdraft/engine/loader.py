@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fastdraft.model_config import ModelConfig
-from fastdraft.models.files import (LoadedModel, build_model, gguf_source, load_state_dict, parse_device,
-                                     parse_dtype, resolve_model_dir)
+from fastdraft.models.files import (LoadedModel, build_model, gguf_source, has_gguf_source, load_state_dict,
+                                     parse_device, parse_dtype, resolve_model_dir)
+from fastdraft.layers.quant_linear import exact_min_rows
 from fastdraft.quant.checkpoint import build_quantized_model, quant_config_from_model_config
 from fastdraft.quant.quant_config import LOW_BIT_NAMES, QuantConfig
 from fastdraft.quant.gguf_native import apply_gguf_native
@@ -17,13 +19,16 @@ from fastdraft.tokenizer import Tokenizer
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: torch.device | str = "cpu",
-               load_in_low_bit: str | None = None, keep_gguf_quant: bool = False) -> LoadedModel:
+               load_in_low_bit: str | None = None, keep_gguf_quant: bool | None = None) -> LoadedModel:
     """Load ``model`` (a known name, HF folder, quantized checkpoint or .gguf path).
 
-    ``load_in_low_bit`` follows ipex-llm: ``"bf16"``/``"fp32"`` pick the dtype;
-    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize on the fly (RTN, groups of 32) with
-    compute in ``dtype``. ``keep_gguf_quant``: the linears keep the quantized blocks of the GGUF
-    file the model comes from (a known name or a .gguf path), at the file's own precision.
+    By default a model whose source is a GGUF file (a known name or a .gguf path) runs on the
+    CPU on the file's own quantized blocks (``keep_gguf_quant``), as llama.cpp and ollama run
+    it: the fastest weights, at the file's own precision. ``load_in_low_bit`` follows
+    ipex-llm: ``"bf16"``/``"fp32"`` ask for the dequantized reference in that dtype;
+    ``"sym_int4"``, ``"asym_int4"`` and ``"int8"`` quantize the reference on the fly (RTN,
+    groups of 32) with compute in ``dtype``. ``keep_gguf_quant=False`` also asks for the
+    reference, in ``dtype``.
     """
     if load_in_low_bit is not None and load_in_low_bit not in LOW_BIT_NAMES:
         raise ValueError(f"unknown load_in_low_bit {load_in_low_bit!r}; choose from {', '.join(LOW_BIT_NAMES)}")
@@ -34,20 +39,36 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
         dtype = load_in_low_bit
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
+    if keep_gguf_quant is None:  # the file's own blocks unless asked otherwise (the CPU's kernels run them)
+        keep_gguf_quant = load_in_low_bit is None and device.type == "cpu" and has_gguf_source(model)
     gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
     saved_quant = quant_config_from_model_config(config.extra)
-    state_dict = load_state_dict(model_dir)
-    if saved_quant is None:
-        net = build_model(config, state_dict, torch_dtype, device)
+    if gguf_path is not None and saved_quant is None:
+        # The file's blocks go straight into quantized modules: the dense weights of those
+        # linears are never read, so no full-precision copy of them exists.
+        net = build_model(config, model_dir, torch_dtype, device, prepare=lambda m: apply_gguf_native(m, gguf_path))
+        net.min_rows = exact_min_rows(net)
+    elif saved_quant is None:
+        net = build_model(config, model_dir, torch_dtype, device)
     else:
-        net = build_quantized_model(config, state_dict, torch_dtype, device, saved_quant)
-    if gguf_path is not None:
-        apply_gguf_native(net, gguf_path)
+        net = build_quantized_model(config, load_state_dict(model_dir), torch_dtype, device, saved_quant)
+        if gguf_path is not None:
+            apply_gguf_native(net, gguf_path)
     if load_in_low_bit in ("sym_int4", "asym_int4", "int8"):
         if saved_quant is not None:
             raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")
         quantize_model(net, QuantConfig.from_low_bit(load_in_low_bit), show_progress=False)
     tokenizer = Tokenizer(model_dir)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, model_dir=model_dir)
+
+
+def describe_weights(model: nn.Module) -> str:
+    """Which weights run, in a few words: ``gguf-native`` (a GGUF file's own blocks), a
+    quantization's label, or the dense reference; with the activations' dtype."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is None:
+        return f"{dtype} (dense reference)"
+    return f"{quant_config.label} (activations {dtype})"

@@ -33,6 +33,8 @@ from fastdraft.models.plan import AttentionSpec, DecoderPlan, LayerPlan, MlpSpec
 
 logger = logging.getLogger(__name__)
 
+# An executor of a plan faster than the module path: the C++ step or the CUDA step.
+DecoderStep = FusedDecoder | CudaDecoder
 # Each distinct rotary of a plan -> its (cos, sin) rows [num_tokens, rotary_dim] for one pass.
 RotaryRows = dict[RotarySpec, tuple[torch.Tensor, torch.Tensor]]
 
@@ -196,7 +198,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: PagedAttentionMetadata, decoder: FusedDecoder | CudaDecoder | None = None) -> torch.Tensor:
+                meta: PagedAttentionMetadata, decoder: DecoderStep | None = None) -> torch.Tensor:
         """One forward pass over a flat batch: input_ids, positions [num_tokens] -> final hidden
         states [num_tokens, hidden_size], every token's key and value written to ``kv_cache``.
 
@@ -208,7 +210,7 @@ class CausalLM(nn.Module):
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                meta: PagedAttentionMetadata, logit_rows: list[int],
-               decoder: FusedDecoder | CudaDecoder | None = None) -> torch.Tensor:
+               decoder: DecoderStep | None = None) -> torch.Tensor:
         """fp32 logits [len(logit_rows), vocab_size] of the flat batch's ``logit_rows``:
         ``compute_logits(forward(...)[logit_rows])`` bit for bit, with a weight-only head run
         inside ``decoder``'s C++ step where it can."""
@@ -230,7 +232,7 @@ class CausalLM(nn.Module):
         logits = self._softcap(self.lm_head(rows)[:num_rows].float())
         return logits.view(*hidden_states.shape[:-1], -1)
 
-    def fused_decoder(self, block_size: int = 16) -> FusedDecoder | CudaDecoder | None:
+    def fused_decoder(self, block_size: int = 16) -> DecoderStep | None:
         """The executor of this model's plan on its device, over its modules as they are now,
         for a paged cache of ``block_size``-token blocks, for the caller to own and pass to
         ``forward`` or ``logits``: the C++ step on a CPU, the CUDA step on a GPU. None (the

@@ -10,7 +10,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from fastdraft.model_config import ModelConfig
 from fastdraft.models.gguf_convert import convert_gguf_to_hf
@@ -80,36 +80,54 @@ def gguf_source(model: str | Path) -> Path:
     raise ValueError(f"{model_str} is not a GGUF file or a known model, so it has no GGUF blocks to keep")
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+def has_gguf_source(model: str | Path) -> bool:
+    """Whether ``model`` comes from a GGUF file (a known name, or a .gguf path)."""
+    try:
+        gguf_source(model)
+    except ValueError:
+        return False
+    return True
+
+
+def load_state_dict(model_dir: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The weights of ``model_dir``'s safetensors files: all of them, or only ``names`` (the
+    others are never read)."""
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(model_dir.glob("*.safetensors")):
         try:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as weights:
+                for name in weights.keys():
+                    if names is None or name in names:
+                        state[name] = weights.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types on corrupt files
             raise ValueError(f"cannot read weights {f}: {exc}") from exc
     return state
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor] | Path, dtype: torch.dtype,
                 device: torch.device | str = "cpu",
                 prepare: Callable[[CausalLM], None] | None = None) -> CausalLM:
-    """Instantiate our model from HF-named weights without a second copy in memory.
+    """Instantiate our model from HF-named weights (a state dict, or a folder to read them from)
+    without a second copy in memory.
 
-    ``prepare`` runs on the empty (meta-device) model before the weights are assigned: a saved
-    quantized checkpoint hands in the replacement of its dense linears by quantized
-    placeholders, so it loads as is.
+    ``prepare`` runs on the empty (meta-device) model before the weights are assigned: it may
+    replace modules by quantized placeholders (a saved quantized checkpoint, which then loads as
+    is) or by quantized modules already holding their weights (a GGUF file's blocks); a
+    tensor that is no longer on the meta device is not read from ``weights``.
     """
     with torch.device("meta"):
         model = CausalLM(config)
-        if prepare is not None:
-            prepare(model)
+    if prepare is not None:
+        prepare(model)
     is_tied = config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear)
-    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    expected = set(model.state_dict())
+    expected = {name for name, tensor in model.state_dict().items() if tensor.is_meta}
+    if is_tied:
+        expected.discard("lm_head.weight")
+    if isinstance(weights, Path):
+        weights = load_state_dict(weights, expected)
+    state_dict = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if is_tied:
         state_dict.pop("lm_head.weight", None)
-        expected.discard("lm_head.weight")
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
@@ -124,7 +142,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     model.load_state_dict(state_dict, strict=False, assign=True)
     if is_tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return model.to(device).eval()
 
 
 @dataclass

@@ -253,5 +253,6 @@ def apply_gguf_native(model: CausalLM, gguf_path: str | Path) -> QuantConfig:
                        Path(gguf_path).name, count, type_name)
     quant_config = QuantConfig.from_tensor_formats(formats)
     model.quant_config = quant_config
-    model.min_rows = exact_min_rows(model)
+    if model.device.type != "meta":  # a model still being built gets it once its weights are in place
+        model.min_rows = exact_min_rows(model)
     return quant_config

@@ -161,8 +161,10 @@ def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: Serve
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "fastdraft"}]}
+        card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "fastdraft"}
+        if state.engine is not None:  # which weights run, once the model is loaded
+            card["weights"] = state.engine.info.weights
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:

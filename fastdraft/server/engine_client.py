@@ -49,10 +49,11 @@ class EngineInfo:
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
+    weights: str = ""  # which weights run (engine/loader.py::describe_weights)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
-        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len, engine.weights)
 
 
 class EngineClient(Protocol):

@@ -8,12 +8,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from fastdraft.cli import main
-from fastdraft.engine.loader import load_model
+from fastdraft.engine.loader import describe_weights, load_model
+from fastdraft.llm import LLM
 from fastdraft.formats import WeightFormat, dequantize
 from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.registry import fastdraft_home
@@ -119,7 +121,7 @@ def quantized_gguf(request, tmp_path, tiny_models, tiny_tokenizer, monkeypatch):
 
 @torch.inference_mode()
 def test_a_model_keeps_its_gguf_blocks(quantized_gguf, tmp_path):
-    reference = load_model(quantized_gguf, dtype="fp32")  # the dequantized file
+    reference = load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=False)  # the dequantized file
     native = load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=True)
     config = native.model.quant_config
     assert config.is_gguf_native and config.label == "gguf-native"
@@ -180,3 +182,44 @@ def test_cli_generates_and_quantizes_with_the_gguf_blocks(quantized_gguf, tmp_pa
     assert load_model(out).model.quant_config.is_gguf_native
     code = main(["generate", "--model", str(tmp_path), "--keep-gguf-quant", "--prompt", "x"])
     assert code == 2 and "fastdraft: error:" in capsys.readouterr().err
+
+
+def test_every_front_door_runs_the_gguf_blocks_by_default(quantized_gguf, capsys):
+    assert load_model(quantized_gguf, dtype="fp32").model.quant_config.is_gguf_native
+    for reference in (load_model(quantized_gguf, load_in_low_bit="fp32"),
+                      load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=False)):
+        assert getattr(reference.model, "quant_config", None) is None
+        assert describe_weights(reference.model) == "float32 (dense reference)"
+    llm = LLM(str(quantized_gguf), dtype="fp32", max_model_len=64, max_num_seqs=2)
+    assert llm.engine.weights == "gguf-native (activations float32)"
+    for flags, weights in (([], "gguf-native"), (["--load-in-low-bit", "bf16"], "bfloat16 (dense reference)")):
+        assert main(["generate", "--model", str(quantized_gguf), "--prompt", "def", "--max-tokens", "2", *flags]) == 0
+        assert f"[weights: {weights}" in capsys.readouterr().err
+
+
+class _DenseSpy(TorchDispatchMode):
+    """Records the shape of every floating-point tensor an op makes outside the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_loading_the_gguf_blocks_makes_no_dense_copy_of_a_quantized_linear(quantized_gguf):
+    load_model(quantized_gguf, dtype="fp32")  # converted once, outside the spy
+    with _DenseSpy() as spy:
+        loaded = load_model(quantized_gguf, dtype="fp32")
+    # The decoder's quantized linears (the head has the embedding table's shape, which stays dense).
+    shapes = {(m.out_features, m.in_features) for m in loaded.model.model.layers.modules()
+              if hasattr(m, "quantized_weight")}
+    assert shapes and not shapes & spy.shapes, shapes & spy.shapes
+    with _DenseSpy() as spy:  # the spy sees a dense load's weights
+        load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=False)
+    assert shapes <= spy.shapes
