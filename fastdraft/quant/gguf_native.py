@@ -27,7 +27,10 @@ step reads one row, stay dense.
 from __future__ import annotations
 
 import logging
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +55,78 @@ _GGUF_LINEARS = {
 # GGML tensor types by name: ``gguf`` is imported only where a file is read, so that importing
 # fastdraft (a GPU host, say) does not need it.
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+# GGUF metadata value types -> their size in bytes (8: a string, 9: an array, sized as read).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of a GGUF file: its name, GGML type, dims (GGUF order: ``shape[0]`` is the row
+    length) and its bytes, a read-only view of the mapped file."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8 [num_bytes]
+
+
+def gguf_tensors(path: str | Path) -> dict[str, GgufTensor]:
+    """The tensors of the GGUF file ``path`` by name, over one read-only map of the file.
+
+    The metadata (a tokenizer's 150k strings among it) is skipped, not parsed: gguf's own
+    reader turns every value into numpy views, which takes seconds for a model's vocabulary."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    pos, alignment = 24, 32
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8:at + 8 + length]).decode("utf-8", errors="replace"), at + 8 + length
+
+    def skip(value_type: int, at: int) -> int:
+        if value_type == _GGUF_STRING:
+            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+        if value_type == _GGUF_ARRAY:
+            item_type, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item_type in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[item_type]
+            for _ in range(count):
+                at = skip(item_type, at)
+            return at
+        return at + _SCALAR_BYTES[value_type]
+
+    for _ in range(num_kv):
+        key, pos = string(pos)
+        (value_type,) = struct.unpack_from("<I", buf, pos)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", buf, pos + 4)
+        pos = skip(value_type, pos + 4)
+    infos = []
+    for _ in range(num_tensors):
+        name, pos = string(pos)
+        (num_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{num_dims}Q", buf, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * num_dims)
+        pos += 4 + 8 * num_dims + 12
+        infos.append((name, GGMLQuantizationType(type_id), tuple(int(d) for d in dims), offset))
+    start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, tensor_type, dims, offset in infos:
+        block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+        num_bytes = int(np.prod(dims)) // block_size * type_size
+        tensors[name] = GgufTensor(name, tensor_type, dims, raw[start + offset:start + offset + num_bytes])
+    return tensors
 
 
 def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
@@ -201,9 +276,7 @@ def weight_format(qw: QuantizedWeight) -> WeightFormat:
 
 def has_native_weights(gguf_path: str | Path) -> bool:
     """Whether the file holds any quantized weight to keep."""
-    from gguf import GGUFReader
-
-    return any(t.tensor_type.name not in _FLOAT_TYPES for t in GGUFReader(gguf_path).tensors)
+    return any(t.tensor_type.name not in _FLOAT_TYPES for t in gguf_tensors(gguf_path).values())
 
 
 @torch.inference_mode()
@@ -211,10 +284,7 @@ def apply_gguf_native(model: CausalLM, gguf_path: str | Path) -> QuantConfig:
     """Replace ``model``'s decoder linears and LM head with the quantized blocks of
     ``gguf_path``, the file the model was converted from, and return the config that records
     each tensor's format (``method="gguf"``; saved checkpoints reload from it)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gguf_tensors(gguf_path)
     config = model.config
     formats: dict[str, WeightFormat] = {}
     inexact: dict[str, int] = {}

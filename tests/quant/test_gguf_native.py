@@ -3,6 +3,7 @@ dequantizer (the spec), and a model that keeps its GGUF file's blocks end to end
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +22,7 @@ from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.registry import fastdraft_home
 from fastdraft.quant.checkpoint import save_quantized
 from fastdraft.quant.quant_config import QuantConfig, format_spec, parse_format_spec
-from fastdraft.quant.gguf_native import native_weight
+from fastdraft.quant.gguf_native import gguf_tensors, native_weight
 from fastdraft.quant.quantizer import quantize_model
 from tests.helpers import write_tiny_gguf
 
@@ -223,3 +224,18 @@ def test_loading_the_gguf_blocks_makes_no_dense_copy_of_a_quantized_linear(quant
     with _DenseSpy() as spy:  # the spy sees a dense load's weights
         load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=False)
     assert shapes <= spy.shapes
+
+
+def test_the_tensor_index_matches_gguf_reader(quantized_gguf):
+    """The file's tensors as gguf's own reader finds them: names, types, dims and bytes."""
+    from gguf import GGUFReader
+
+    ours = gguf_tensors(quantized_gguf)
+    theirs = GGUFReader(quantized_gguf).tensors
+    assert list(ours) == [t.name for t in theirs]
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert mine.tensor_type == tensor.tensor_type and mine.shape == tuple(int(d) for d in tensor.shape)
+        assert bytes(mine.data) == np.ascontiguousarray(tensor.data).view(np.uint8).tobytes(), tensor.name
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_tensors(Path(__file__))
