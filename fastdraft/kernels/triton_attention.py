@@ -22,14 +22,19 @@ which the tests compare with these kernels, on a GPU and through Triton's interp
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU path needs no Triton
-    triton = None
-    tl = None
+triton = tl = None
+# Triton runs on a GPU, or on the CPU through its interpreter (tests): a process with neither
+# does not pay for its import.
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # the CPU path needs no Triton
+        pass
 
 # Query rows of a tile: at least 16, the smallest tile tl.dot takes.
 MIN_TILE_ROWS = 16

@@ -12,14 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.kernels.triton_attention import is_available, next_power_of_two
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU path needs no Triton
-    triton = None
-    tl = None
+from fastdraft.kernels.triton_attention import is_available, next_power_of_two, tl, triton
 
 __all__ = ["is_available", "rotary_", "triton_rms_norm", "triton_silu_and_mul"]
 
