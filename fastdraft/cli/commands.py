@@ -116,6 +116,10 @@ def _cmd_pull(args: argparse.Namespace) -> None:
     print(path)
 
 
+# Tokens a chat template may add around a prompt (roles, a default system prompt).
+_CHAT_TEMPLATE_TOKENS = 256
+
+
 def _cmd_generate(args: argparse.Namespace) -> None:
     from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.engine.loader import describe_weights, load_model
@@ -133,7 +137,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
                         keep_gguf_quant=True if args.keep_gguf_quant else None)
-    config = EngineConfig(max_num_seqs=1, max_model_len=args.max_seq_len, enforce_eager=args.enforce_eager)
+    # The KV pool holds this request, not --max-seq-len tokens: the prompt, the chat template's
+    # own tokens (a generous bound) and the new tokens.
+    bound = len(loaded.tokenizer.encode(args.prompt)) + _CHAT_TEMPLATE_TOKENS + args.max_tokens
+    config = EngineConfig(max_num_seqs=1, max_model_len=min(args.max_seq_len, bound), enforce_eager=args.enforce_eager)
     generator = TextGenerator(loaded, speculative=spec, engine_config=config)
     stream = generator.stream(args.prompt, params, chat=args.chat)
     for piece in stream:

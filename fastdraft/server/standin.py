@@ -60,6 +60,7 @@ class StandInEngine:
         self.tokenizer = None
         self.vocab_size = 1000
         self.max_model_len = 4096
+        self.weights = "none (a stand-in engine: tokens without a model)"
         self.ttft_s, self.ttft_per_token_s = ttft_s, ttft_per_token_s
         self.cache_blocks = cache_blocks
         self.cache: OrderedDict[bytes, None] = OrderedDict()
