@@ -10,6 +10,7 @@ from torch import nn
 from fastdraft.model_config import ModelConfig
 from fastdraft.models.files import (LoadedModel, build_model, gguf_source, has_gguf_source, load_state_dict,
                                      parse_device, parse_dtype, resolve_model_dir)
+from fastdraft.engine.layout_cache import load_layout, store_layout
 from fastdraft.layers.quant_linear import exact_min_rows
 from fastdraft.quant.checkpoint import build_quantized_model, quant_config_from_model_config
 from fastdraft.quant.quant_config import LOW_BIT_NAMES, QuantConfig
@@ -46,9 +47,13 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
     config = ModelConfig.from_file(model_dir / "config.json")
     saved_quant = quant_config_from_model_config(config.extra)
     if gguf_path is not None and saved_quant is None:
-        # The file's blocks go straight into quantized modules: the dense weights of those
-        # linears are never read, so no full-precision copy of them exists.
-        net = build_model(config, model_dir, torch_dtype, device, prepare=lambda m: apply_gguf_native(m, gguf_path))
+        net = load_layout(gguf_path, torch_dtype, device)
+        if net is None:
+            # The file's blocks go straight into quantized modules: the dense weights of those
+            # linears are never read, so no full-precision copy of them exists.
+            net = build_model(config, model_dir, torch_dtype, device,
+                              prepare=lambda m: apply_gguf_native(m, gguf_path))
+            store_layout(net, gguf_path, torch_dtype)
         net.min_rows = exact_min_rows(net)
     elif saved_quant is None:
         net = build_model(config, model_dir, torch_dtype, device)

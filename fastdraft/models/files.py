@@ -4,11 +4,13 @@ weights read, and the module built from them."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -87,6 +89,39 @@ def has_gguf_source(model: str | Path) -> bool:
     except ValueError:
         return False
     return True
+
+
+# safetensors dtype names -> (numpy dtype to view the bytes as, torch dtype of the tensor).
+_ST_DTYPES = {
+    "F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.int16, torch.bfloat16),
+    "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32), "I16": (np.int16, torch.int16),
+    "I8": (np.int8, torch.int8), "U8": (np.uint8, torch.uint8), "BOOL": (np.bool_, torch.bool),
+}
+
+
+def map_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one map of it: nothing is copied, pages
+    load as they are touched, and processes mapping the same file share them (a page written
+    to becomes the process's own)."""
+    path = Path(path)
+    # Copy-on-write: a tensor written to by mistake gets a private page instead of a crash.
+    raw = np.memmap(path, dtype=np.uint8, mode="c")
+    if raw.size < 8:
+        raise ValueError(f"{path} is too short to be a safetensors file")
+    header_len = int(raw[:8].view("<u8")[0])
+    if 8 + header_len > raw.size:
+        raise ValueError(f"{path}: the header runs past the end of the file")
+    header = json.loads(bytes(raw[8:8 + header_len]))
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, info in header.items():
+        np_dtype, torch_dtype = _ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        data = raw[8 + header_len + begin:8 + header_len + end]
+        if data.size != end - begin:
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+        tensors[name] = torch.from_numpy(data.view(np_dtype)).view(torch_dtype).reshape(info["shape"])
+    return tensors
 
 
 def load_state_dict(model_dir: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
