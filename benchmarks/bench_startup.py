@@ -9,15 +9,16 @@ decode rate the command prints. Cases:
 * ``baseline keep-gguf`` — ``--baseline DIR``'s ``fastdraft generate --keep-gguf-quant``
   (another checkout, for example the commit before a change), skipped without it;
 * ``llama-server`` — ``--llama-server PATH``: time until ``/health`` answers 200, and its RSS then;
-* ``llama-cli`` — ``--llama-cli PATH`` (``llama-cli`` or ``llama-simple``): time to the first
-  token and peak RSS.
+* ``llama-simple`` — ``--llama-simple PATH``: time to its first output (the prompt, echoed once
+  the model is loaded and the prompt evaluated) and peak RSS.
 
 ``--parts`` also loads the model in one instrumented process and prints its RSS after each
 stage: the interpreter and torch, the weights, the engine (its KV pool), and the peak of a
 generation (scratch).
 
     python benchmarks/bench_startup.py --model qwen2.5-coder-0.5b-instruct \\
-        --baseline /tmp/base --llama-server ./build/bin/llama-server --parts
+        --baseline /tmp/base --llama-server ./build/bin/llama-server \\
+        --llama-simple ./build/bin/llama-simple --parts
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout: its --keep-gguf-quant")
     parser.add_argument("--llama-server", type=Path, default=None)
-    parser.add_argument("--llama-cli", type=Path, default=None, help="llama-cli or llama-simple")
+    parser.add_argument("--llama-simple", type=Path, default=None, help="llama.cpp's llama-simple")
     parser.add_argument("--port", type=int, default=8093)
     parser.add_argument("--parts", action="store_true", help="RSS after each loading stage, in one process")
     args = parser.parse_args()
@@ -136,10 +137,9 @@ def main() -> None:
     if args.llama_server is not None:
         cases["llama-server (ready)"] = lambda: run_server(
             [str(args.llama_server), "-m", gguf, "--port", str(args.port), "--host", "127.0.0.1", "-t", "2"], args.port)
-    if args.llama_cli is not None:
-        cases["llama-cli"] = lambda: run_generate(
-            [str(args.llama_cli), "-m", gguf, "-p", PROMPT, "-n", str(args.max_tokens), "-t", "2", "-no-cnv"],
-            dict(os.environ))
+    if args.llama_simple is not None:
+        cases["llama-simple"] = lambda: run_generate(
+            [str(args.llama_simple), "-m", gguf, "-n", str(args.max_tokens), PROMPT], dict(os.environ))
     cases["fastdraft"]()  # a warm layout and page cache for every case, outside the figures
     results: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     for r in range(args.rounds):
