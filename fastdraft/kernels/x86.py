@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from fastdraft.formats import QuantizedWeight, sym_zero_point, unpack_int4, unpack_int6
 from fastdraft.kernels.base import KernelCapabilities, WeightOnlyKernel
 from fastdraft.kernels.build import CpuKernels, cpu_features, load_cpu_kernels
-from fastdraft.kernels.memory import huge_page_copy
+from fastdraft.kernels.memory import huge_page_copy, huge_page_zeros
 from fastdraft.kernels.mode import is_batch_invariant
 
 TILE = 16
@@ -93,9 +93,28 @@ def _int6_chunks(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((nibbles, high_bytes), dim=-1).contiguous()
 
 
-def repack(qw: QuantizedWeight, tile: int = TILE) -> PackedWeight:
+def _reference_codes(qw: QuantizedWeight, tile: int, k_pad: int, n_pad: int, pad_value: int) -> torch.Tensor:
+    """The codes in the tile layout, in PyTorch: the twin of the C++ ``repack_codes``."""
+    if qw.bits == 4:
+        q = unpack_int4(qw.qweight)  # [N, K] 0..15
+    elif qw.bits == 6:
+        q = unpack_int6(qw.qweight)  # [N, K] 0..63
+    else:
+        q = (qw.qweight.to(torch.int16) + sym_zero_point(8)).to(torch.uint8)  # [N, K] 1..255
+    q = F.pad(q, (0, k_pad - qw.in_features, 0, n_pad - qw.out_features), value=pad_value)
+    q = q.reshape(n_pad // tile, tile, -1, 4)  # [tiles, tile, k_pad / 4, 4]
+    if qw.bits == 6:
+        return _int6_chunks(q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4))
+    if qw.bits == 4:
+        q = q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4)  # k = 8c + 4h + j
+        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [tiles, 16, chunks, 4]
+    return q.transpose(1, 2).contiguous()  # [tiles, chunks, 16, 4]
+
+
+def repack(qw: QuantizedWeight, tile: int = TILE, kernels: CpuKernels | None = None) -> PackedWeight:
     """Canonical :class:`QuantizedWeight` -> the kernel layout documented above, in tiles of
-    ``tile`` output rows (the variant's ``tile_rows``)."""
+    ``tile`` output rows (the variant's ``tile_rows``): the codes laid out by ``kernels``' C++
+    ``repack_codes`` where given, else by its PyTorch twin."""
     if tile != TILE and qw.bits == 6:
         raise ValueError(f"the INT6 layout is defined for tiles of {TILE} rows, not {tile}")
     n, k, g = qw.out_features, qw.in_features, qw.group_size
@@ -107,24 +126,14 @@ def repack(qw: QuantizedWeight, tile: int = TILE) -> PackedWeight:
     if group % block or k_pad % group:
         raise ValueError(f"group size {g} cannot be laid out for in_features {k}")
     num_groups = k_pad // group
-    if qw.bits == 4:
-        q = unpack_int4(qw.qweight)  # [N, K] 0..15
-        pad_value = sym_zero_point(4) if qw.is_sym else 0
-    elif qw.bits == 6:
-        q = unpack_int6(qw.qweight)  # [N, K] 0..63
-        pad_value = sym_zero_point(6)
+    pad_value = sym_zero_point(qw.bits) if qw.bits != 4 or qw.is_sym else 0
+    # Decode streams ``packed`` once per token: keep it on huge pages (see kernels.memory).
+    if kernels is not None:
+        chunk_shape = (k_pad // 8, 96) if qw.bits == 6 else (k_pad * qw.bits // 32, tile, 4)
+        packed = huge_page_zeros((n_pad // tile, *chunk_shape), torch.uint8)
+        kernels.repack_codes(qw.qweight, qw.bits, n, k, k_pad, tile, pad_value, packed)
     else:
-        q = (qw.qweight.to(torch.int16) + sym_zero_point(8)).to(torch.uint8)  # [N, K] 1..255
-        pad_value = sym_zero_point(8)
-    q = F.pad(q, (0, k_pad - k, 0, n_pad - n), value=pad_value)
-    q = q.reshape(n_pad // tile, tile, -1, 4)  # [tiles, tile, k_pad / 4, 4]
-    if qw.bits == 6:
-        packed = _int6_chunks(q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4))
-    else:
-        if qw.bits == 4:
-            q = q.reshape(n_pad // tile, tile, k_pad // 8, 2, 4)  # k = 8c + 4h + j
-            q = q[..., 0, :] | (q[..., 1, :] << 4)  # [tiles, 16, chunks, 4]
-        packed = q.transpose(1, 2).contiguous()  # [tiles, chunks, 16, 4]
+        packed = huge_page_copy(_reference_codes(qw, tile, k_pad, n_pad, pad_value))
 
     def per_group(t: torch.Tensor, fill: float) -> torch.Tensor:
         t = F.pad(t, (0, num_groups - t.shape[1]), value=fill)  # padded groups of zeros (K tail)
@@ -133,8 +142,7 @@ def repack(qw: QuantizedWeight, tile: int = TILE) -> PackedWeight:
     scales = per_group(qw.scales.to(torch.float16), 0.0)
     zeros = per_group(qw.zeros, 0) if qw.zeros is not None else torch.empty(0, dtype=torch.uint8)
     zero_const = float(sym_zero_point(qw.bits))
-    # Decode streams ``packed`` once per token: keep it on huge pages (see kernels.memory).
-    return PackedWeight(huge_page_copy(packed), scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
+    return PackedWeight(packed, scales, zeros, qw.bits, n, k, k_pad, block, group, zero_const)
 
 
 def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -193,7 +201,7 @@ class X86WoqKernel(WeightOnlyKernel):
         self.ext = kernels if kernels is not None else load_cpu_kernels()
         if self.ext is None:
             raise ValueError("the x86 kernels are not available on this system")
-        self.weight = repack(qw, self.ext.tile_rows)
+        self.weight = repack(qw, self.ext.tile_rows, self.ext)
         self.dtype = dtype
         # -1: decide from the CPU; None: VNNI at every M.
         large_m = default_large_m(self.ext.name) if large_m == -1 else large_m

@@ -103,6 +103,24 @@ def test_repack_layout_of_one_tile():
         assert byte & 15 == q[n, 8 * c + j] and byte >> 4 == q[n, 8 * c + 4 + j]
 
 
+@pytest.mark.parametrize("bits,group,sym,float_zeros", [(4, 32, True, False), (4, 16, False, False),
+                                                     (4, 32, False, True), (4, -1, False, False), (6, 32, True, False),
+                                                     (6, 16, True, False), (8, 32, True, False), (8, -1, True, False)])
+@pytest.mark.parametrize("n,k", [(16, 128), (37, 160), (5, 96)])
+def test_cpp_repack_matches_its_twin(bits, group, sym, float_zeros, n, k):
+    """The C++ layout of the codes is the PyTorch one byte for byte, scales and zeros alike, for
+    every tile size a variant uses (INT6: 16 rows only), rows and columns padded."""
+    ext = load_cpu_kernels()
+    if ext is None:
+        pytest.skip("x86 kernels unavailable on this CPU")
+    torch.manual_seed(n + k)
+    qw = quantize(torch.randn(n, k), bits, group, sym=sym, float_zeros=float_zeros)
+    for tile in {16, ext.tile_rows} if bits != 6 else {16}:
+        fast, twin = repack(qw, tile, ext), repack(qw, tile)
+        assert torch.equal(fast.packed, twin.packed), tile
+        assert torch.equal(fast.scales, twin.scales) and torch.equal(fast.zeros, twin.zeros)
+
+
 def test_repack_layout_of_one_int6_tile():
     """INT6: INT4's nibble bytes, then bits 4-5 of nibble bytes p and p + 32 in high byte p."""
     qw = quantize(torch.randn(16, 128), 6, 128, sym=True)

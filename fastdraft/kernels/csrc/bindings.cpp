@@ -33,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "INT4/INT6/INT8 weight-only linear");
   m.def("woq_block_sums", &woq_block_sums, "exact int32 block sums of a weight-only matmul (tests)");
   m.def("woq_dequantize", &woq_dequantize, "dense weight of a repacked INT4/INT6/INT8 weight");
+  m.def("repack_codes", &repack_codes, "a canonical weight's codes in the kernels' tile layout", py::arg("qweight"),
+        py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("k_pad"), py::arg("tile"), py::arg("pad"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
   bind_decoder(m);
   bind_sampling(m);
 }

@@ -172,6 +172,8 @@ torch::Tensor woq_block_sums(const fastdraft::IsaPtr& isa, torch::Tensor x, torc
 torch::Tensor woq_dequantize(const fastdraft::IsaPtr& isa, torch::Tensor packed, torch::Tensor scales,
                              torch::Tensor zeros, int64_t bits, int64_t n, int64_t k, int64_t k_pad, int64_t block,
                              int64_t group, double zero_const, at::ScalarType dtype);
+void repack_codes(torch::Tensor qweight, int64_t bits, int64_t n, int64_t k, int64_t k_pad, int64_t tile,
+                  int64_t pad, torch::Tensor out);
 // Each adds its own file's ops and classes to the module: isa.cpp, decoder.cpp, sampling.cpp.
 void bind_isa(pybind11::module& m);
 void bind_decoder(pybind11::module& m);

@@ -225,3 +225,70 @@ torch::Tensor woq_dequantize(const fastdraft::IsaPtr& isa, torch::Tensor packed,
   });
   return out;
 }
+
+// The codes of a canonical weight (fastdraft/formats.py: INT4 two a byte, even k low; INT6 four
+// in three bytes; INT8 signed) laid out for the kernels, into `out` (uint8, its shape as
+// fastdraft/kernels/x86.py::repack documents): INT4 and INT8 [tiles, k_pad / (8 or 4), tile, 4],
+// INT6 [tiles, k_pad / 8, 96]. Rows past n and columns past k hold `pad`. The twin is the
+// PyTorch code of x86.py::repack, tested against this.
+void repack_codes(torch::Tensor qweight, int64_t bits, int64_t n, int64_t k, int64_t k_pad, int64_t tile,
+                  int64_t pad, torch::Tensor out) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "repack_codes: bits must be 4, 6 or 8");
+  TORCH_CHECK(bits != 6 || tile == 16, "repack_codes: the INT6 layout has tiles of 16 rows");
+  TORCH_CHECK(k_pad % 128 == 0 && k <= k_pad && tile > 0 && n > 0, "repack_codes: bad geometry");
+  const auto q = qweight.contiguous();
+  const int64_t row_bytes = bits == 4 ? k / 2 : bits == 6 ? k * 3 / 4 : k;
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == n && q.size(1) == row_bytes && q.element_size() == 1,
+              "repack_codes: qweight must be [n, bytes per row] of 1-byte codes");
+  const int64_t num_tiles = (n + tile - 1) / tile;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kByte && out.numel() == num_tiles * tile * k_pad * bits / 8,
+              "repack_codes: out must be a contiguous uint8 tensor of the packed size");
+  const uint8_t* src = static_cast<const uint8_t*>(q.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> codes(tile * k_pad);  // this tile's codes, [tile, k_pad]
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < tile; ++i) {
+        uint8_t* c = codes.data() + i * k_pad;
+        const int64_t r = t * tile + i;
+        std::fill(c, c + k_pad, static_cast<uint8_t>(pad));
+        if (r >= n) continue;
+        const uint8_t* s = src + r * row_bytes;
+        if (bits == 4) {
+          for (int64_t x = 0; x < k / 2; ++x) c[2 * x] = s[x] & 15, c[2 * x + 1] = s[x] >> 4;
+        } else if (bits == 6) {
+          for (int64_t g = 0; g < k / 4; ++g) {
+            const uint32_t w = s[3 * g] | (s[3 * g + 1] << 8) | (s[3 * g + 2] << 16);
+            for (int j = 0; j < 4; ++j) c[4 * g + j] = (w >> (6 * j)) & 63;
+          }
+        } else {
+          for (int64_t x = 0; x < k; ++x) c[x] = static_cast<uint8_t>(static_cast<int8_t>(s[x]) + 128);
+        }
+      }
+      if (bits == 8) {  // [chunks of 4 columns, tile, 4]
+        uint8_t* o = dst + t * tile * k_pad;
+        for (int64_t ch = 0; ch < k_pad / 4; ++ch)
+          for (int64_t i = 0; i < tile; ++i)
+            for (int j = 0; j < 4; ++j) *o++ = codes[i * k_pad + 4 * ch + j];
+      } else if (bits == 4) {  // [chunks of 8 columns, tile, 4]: k = 8c + j low, 8c + 4 + j high
+        uint8_t* o = dst + t * tile * k_pad / 2;
+        for (int64_t ch = 0; ch < k_pad / 8; ++ch)
+          for (int64_t i = 0; i < tile; ++i)
+            for (int j = 0; j < 4; ++j)
+              *o++ = codes[i * k_pad + 8 * ch + j] | (codes[i * k_pad + 8 * ch + 4 + j] << 4);
+      } else {  // [chunks of 8 columns, 96 bytes]: 64 low-nibble bytes, then 32 bytes of top bits
+        uint8_t* o = dst + t * tile * k_pad * 3 / 4;
+        for (int64_t ch = 0; ch < k_pad / 8; ++ch, o += 96) {
+          uint8_t fields[64];
+          for (int64_t i = 0; i < 16; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t lo = codes[i * k_pad + 8 * ch + j], hi = codes[i * k_pad + 8 * ch + 4 + j];
+              o[4 * i + j] = (lo & 15) | ((hi & 15) << 4);
+              fields[4 * i + j] = (lo >> 4) | ((hi >> 4) << 2);
+            }
+          for (int p = 0; p < 32; ++p) o[64 + p] = fields[p] | (fields[p + 32] << 4);
+        }
+      }
+    }
+  });
+}
