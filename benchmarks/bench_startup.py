@@ -57,11 +57,11 @@ print(f"after 32 tokens: {rss():.0f} MiB (peak {peak:.0f} MiB)", flush=True)
 """
 
 
-def run_generate(argv: list[str], env: dict[str, str]) -> dict[str, float]:
+def run_generate(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> dict[str, float]:
     """Run a command that streams tokens to stdout: seconds to its first output byte, its peak
     RSS in MiB, and the decode rate it prints (fastdraft's summary line)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     first, err = None, []
     streams = [proc.stdout, proc.stderr]
     for stream in streams:
@@ -128,12 +128,14 @@ def main() -> None:
                 "--max-tokens", str(args.max_tokens)]
     env = dict(os.environ, PYTHONPATH=str(here))
     cases: dict[str, callable] = {
-        "fastdraft": lambda: run_generate(generate, env),
-        "fastdraft bf16": lambda: run_generate(generate + ["--load-in-low-bit", "bf16"], env),
+        "fastdraft": lambda: run_generate(generate, env, here),
+        "fastdraft bf16": lambda: run_generate(generate + ["--load-in-low-bit", "bf16"], env, here),
     }
     if args.baseline is not None:
-        base_env = dict(os.environ, PYTHONPATH=str(args.baseline.resolve()))
-        cases["baseline keep-gguf"] = lambda: run_generate(generate + ["--keep-gguf-quant"], base_env)
+        # Its own sources first: ``python -m`` puts the working folder ahead of PYTHONPATH.
+        base = args.baseline.resolve()
+        cases["baseline keep-gguf"] = lambda: run_generate(generate + ["--keep-gguf-quant"],
+                                                           dict(os.environ, PYTHONPATH=str(base)), base)
     if args.llama_server is not None:
         cases["llama-server (ready)"] = lambda: run_server(
             [str(args.llama_server), "-m", gguf, "--port", str(args.port), "--host", "127.0.0.1", "-t", "2"], args.port)
@@ -152,7 +154,7 @@ def main() -> None:
         med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
         print(f"{name:24s} {med['ttft_s']:24.2f} {med['rss_mib']:15.0f} {med['decode_tok_s']:13.1f}")
     if args.parts:
-        subprocess.run([sys.executable, "-c", PARTS, args.model, PROMPT], env=env, check=True)
+        subprocess.run([sys.executable, "-c", PARTS, args.model, PROMPT], env=env, cwd=here, check=True)
 
 
 if __name__ == "__main__":
