@@ -83,6 +83,20 @@ class GenerationStream:
             pass
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int], chat: bool = False) -> list[int]:
+    """Token ids of a raw prompt, of chat messages rendered with the chat template (or of
+    a text prompt as one user message, with ``chat``), or token ids as given."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)  # an empty list too: the engine's check refuses it
+    if isinstance(prompt, list):
+        return tokenizer.encode_chat(prompt)
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
+    if chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
 class TextGenerator:
     """Prompt in, streamed text out.
 
@@ -110,17 +124,8 @@ class TextGenerator:
         self.max_seq_len = self.engine.max_model_len
 
     def encode_prompt(self, prompt: str | list[dict[str, str]] | list[int], chat: bool = False) -> list[int]:
-        """Token ids of a raw prompt, of chat messages rendered with the chat template (or of
-        a text prompt as one user message, with ``chat``), or token ids as given."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)  # an empty list too: the engine's check refuses it
-        if isinstance(prompt, list):
-            return self.tokenizer.encode_chat(prompt)
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
-        if chat:
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        """Token ids of ``prompt``, as :func:`encode_prompt` makes them with this model's tokenizer."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def stream(self, prompt: str | list[dict[str, str]] | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> GenerationStream:

@@ -116,14 +116,10 @@ def _cmd_pull(args: argparse.Namespace) -> None:
     print(path)
 
 
-# Tokens a chat template may add around a prompt (roles, a default system prompt).
-_CHAT_TEMPLATE_TOKENS = 256
-
-
 def _cmd_generate(args: argparse.Namespace) -> None:
     from fastdraft.engine.llm_engine import EngineConfig
     from fastdraft.engine.loader import describe_weights, load_model
-    from fastdraft.generator import TextGenerator
+    from fastdraft.generator import TextGenerator, encode_prompt
     from fastdraft.sampling_params import SamplingParams
     from fastdraft.speculative.speculative_config import SpeculativeConfig
 
@@ -137,12 +133,12 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
                         keep_gguf_quant=True if args.keep_gguf_quant else None)
-    # The KV pool holds this request, not --max-seq-len tokens: the prompt, the chat template's
-    # own tokens (a generous bound) and the new tokens.
-    bound = len(loaded.tokenizer.encode(args.prompt)) + _CHAT_TEMPLATE_TOKENS + args.max_tokens
-    config = EngineConfig(max_num_seqs=1, max_model_len=min(args.max_seq_len, bound), enforce_eager=args.enforce_eager)
+    # The KV pool holds this request (its prompt and new tokens), not --max-seq-len tokens.
+    prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
+    config = EngineConfig(max_num_seqs=1, max_model_len=min(args.max_seq_len, len(prompt_ids) + args.max_tokens),
+                          enforce_eager=args.enforce_eager)
     generator = TextGenerator(loaded, speculative=spec, engine_config=config)
-    stream = generator.stream(args.prompt, params, chat=args.chat)
+    stream = generator.stream(prompt_ids, params)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
