@@ -76,6 +76,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         check_output_path(args.output, is_dir=True)
     if args.auto:
         from fastdraft.engine.timing import DecodeStepTimer
+        from fastdraft.models.files import find_gguf_source
         from fastdraft.quant.auto import AutoSearchSpace, auto_quantize, write_report
 
         space = AutoSearchSpace(methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -91,7 +92,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
         timer = DecodeStepTimer(space.num_decode_tokens)
         logging.getLogger("fastdraft.quant.auto").setLevel(logging.INFO)  # a line per candidate, as it is tried
         result, best_model = auto_quantize(loaded, space, timer, report_dir=report_dir,
-                                           gguf_path=_gguf_or_none(args.model), texts=texts)
+                                           gguf_path=find_gguf_source(args.model), texts=texts)
         print(write_report(result, space, report_dir))
         print(f"report written to {report_dir}/report.md, report.json, report.png")
         if best_model is None:
@@ -134,16 +135,6 @@ def _quant_texts(args: argparse.Namespace):
     if whole is not None:
         return split_texts(tokenizer, whole, seq_len, args.split_seed, args.mix_builtin)
     return given_texts(tokenizer, *parts, seq_len, args.mix_builtin)
-
-
-def _gguf_or_none(model: str):
-    """The GGUF file ``model`` comes from, if any: the automatic search then also tries its own blocks."""
-    from fastdraft.models.files import gguf_source
-
-    try:
-        return gguf_source(model)
-    except ValueError:
-        return None
 
 
 def quantized_model(model: str, config, dtype: str):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fastdraft.model_config import ModelConfig
-from fastdraft.models.files import (LoadedModel, build_model, gguf_source, has_gguf_source, load_state_dict,
+from fastdraft.models.files import (LoadedModel, build_model, find_gguf_source, gguf_source, load_state_dict,
                                      parse_device, parse_dtype, resolve_model_dir)
 from fastdraft.engine.layout_cache import load_layout, store_layout
 from fastdraft.layers.quant_linear import exact_min_rows
@@ -41,8 +41,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     if keep_gguf_quant is None:  # the file's own blocks unless asked otherwise (the CPU's kernels run them)
-        keep_gguf_quant = load_in_low_bit is None and device.type == "cpu" and has_gguf_source(model)
-    gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
+        gguf_path = find_gguf_source(model) if load_in_low_bit is None and device.type == "cpu" else None
+    else:
+        gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
     saved_quant = quant_config_from_model_config(config.extra)

@@ -82,13 +82,12 @@ def gguf_source(model: str | Path) -> Path:
     raise ValueError(f"{model_str} is not a GGUF file or a known model, so it has no GGUF blocks to keep")
 
 
-def has_gguf_source(model: str | Path) -> bool:
-    """Whether ``model`` comes from a GGUF file (a known name, or a .gguf path)."""
+def find_gguf_source(model: str | Path) -> Path | None:
+    """:func:`gguf_source`, or None for a model that does not come from a GGUF file."""
     try:
-        gguf_source(model)
+        return gguf_source(model)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 # safetensors dtype names -> (numpy dtype to view the bytes as, torch dtype of the tensor).
