@@ -1,6 +1,6 @@
-"""Gated activations of an MLP, ``act(gate) * up`` over rows ``[gate | up]``: SiLU (Llama,
-Qwen) and GELU's tanh approximation (Gemma), each with its reference, the C++ kernel (CPU) and
-the Triton kernel (GPU) where one exists."""
+"""Activations of an MLP, gated (``act(gate) * up`` over rows ``[gate | up]``) or not: SiLU
+(Llama, Qwen), with its reference, the C++ kernel (CPU) and the Triton kernel (GPU), and GELU's
+tanh approximation (Gemma), in PyTorch."""
 
 from __future__ import annotations
 
@@ -18,11 +18,6 @@ def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def reference_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x = [gate | up]`` along the last dim -> ``silu(gate) * up``."""
     if x.is_cuda and triton_ops.is_available():
@@ -35,13 +30,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``activation(gate) * up`` of ``x = [gate | up]``, ``activation`` one of :data:`ACTIVATIONS`."""
-    if activation == "silu":
+def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``name(gate) * up`` of ``x = [gate | up]``, ``name`` one of :data:`ACTIVATIONS`: SiLU on
+    its kernels, the others in PyTorch."""
+    if name == "silu":
         return silu_and_mul(x)
-    if activation == "gelu_tanh":
-        return reference_gelu_tanh_and_mul(x)
-    raise ValueError(f"unknown activation {activation!r}; known: {ACTIVATIONS}")
+    gate, up = x.chunk(2, dim=-1)
+    return activation(gate, name) * up
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:
