@@ -54,8 +54,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
             # linears are never read, so no full-precision copy of them exists.
             net = build_model(config, model_dir, torch_dtype, device,
                               prepare=lambda m: apply_gguf_native(m, gguf_path))
+            net.min_rows = exact_min_rows(net)  # decided once the weights are in place
             store_layout(net, gguf_path, torch_dtype)
-        net.min_rows = exact_min_rows(net)
     elif saved_quant is None:
         net = build_model(config, model_dir, torch_dtype, device)
     else:
