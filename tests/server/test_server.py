@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fastdraft.cli import build_parser
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
-from fastdraft.engine.loader import load_model
+from fastdraft.engine.loader import describe_weights, load_model
 from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.sampling_params import SamplingParams
@@ -58,8 +58,11 @@ def offline(loaded, prompts, params, block_size: int = 4):
 
 # --- the OpenAI client ------------------------------------------------------------------------
 
-def test_models_health_and_metrics(live):
+def test_models_health_and_metrics(live, loaded):
     assert [m.id for m in live.client().models.list().data] == [MODEL]
+    # The card names the weights that run (here the tiny model's RTN INT4).
+    card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
+    assert card["weights"] == describe_weights(loaded.model) and card["weights"].startswith("rtn-int4")
     live.client().completions.create(model=MODEL, prompt="x = 1", max_tokens=3, temperature=0)
     text = httpx.get(f"{live.url}/metrics").text
     for name in ("fastdraft:time_to_first_token_seconds", "fastdraft:time_per_output_token_seconds",
