@@ -10,7 +10,7 @@ from torch import nn
 from fastdraft.model_config import ModelConfig
 from fastdraft.models.files import (LoadedModel, build_model, find_gguf_source, gguf_source, load_state_dict,
                                      parse_device, parse_dtype, resolve_model_dir)
-from fastdraft.engine.layout_cache import load_layout, store_layout
+from fastdraft.engine.layout_cache import lay_out_kernels, load_layout, store_layout
 from fastdraft.layers.quant_linear import exact_min_rows
 from fastdraft.quant.checkpoint import build_quantized_model, quant_config_from_model_config
 from fastdraft.quant.quant_config import LOW_BIT_NAMES, QuantConfig
@@ -56,6 +56,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
                               prepare=lambda m: apply_gguf_native(m, gguf_path))
             net.min_rows = exact_min_rows(net)  # decided once the weights are in place
             store_layout(net, gguf_path, torch_dtype)
+        if device.type == "cpu":
+            lay_out_kernels(net, gguf_path, torch_dtype)
     elif saved_quant is None:
         net = build_model(config, model_dir, torch_dtype, device)
     else:

@@ -46,6 +46,8 @@ from fastdraft.kernels.mode import is_batch_invariant
 
 TILE = 16
 K_ALIGN = 128
+# Bump when :func:`repack`'s output changes for the same weight: saved layouts name it.
+PACKED_LAYOUT_VERSION = 1
 # Rows from which dequantize + AMX GEMM takes over, on AMX CPUs. Dequantizing costs a pass over
 # the whole weight per call, so VNNI wins at small M; AMX's tiles repay that pass only over
 # enough rows. The crossover was timed on Sapphire Rapids.
@@ -74,6 +76,40 @@ class PackedWeight:
     block: int  # activation quantization block, divides group
     group: int  # group size in the padded layout (k_pad when per-channel)
     zero_const: float  # zero point when ``zeros`` is empty: 8 (symmetric INT4), 32 (INT6) or 128 (INT8)
+
+    @property
+    def tile(self) -> int:
+        return self.scales.shape[-1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layout as named tensors (for a safetensors file): :meth:`from_tensors` inverts it."""
+        geometry = torch.tensor([self.bits, self.out_features, self.in_features, self.k_pad, self.block, self.group])
+        return {"packed": self.packed, "scales": self.scales, "zeros": self.zeros, "geometry": geometry}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedWeight":
+        """The layout :meth:`tensors` gave; ``ValueError`` where the shapes do not fit its geometry."""
+        bits, n, k, k_pad, block, group = (int(v) for v in tensors["geometry"].tolist())
+        packed, scales, zeros = tensors["packed"], tensors["scales"], tensors["zeros"]
+        num_tiles = scales.shape[0] if scales.dim() == 3 else -1
+        is_valid = (bits in (4, 6, 8) and scales.dtype == torch.float16 and packed.dtype == torch.uint8
+                    and num_tiles * scales.shape[-1] >= n > (num_tiles - 1) * scales.shape[-1]
+                    and packed.shape[0] == num_tiles and packed.numel() == num_tiles * k_pad * scales.shape[-1] * bits // 8
+                    and scales.shape[1] == k_pad // group and zeros.numel() in (0, scales.numel()))
+        if not is_valid:
+            raise ValueError(f"a packed weight's tensors do not fit its geometry {[bits, n, k, k_pad, block, group]}")
+        return cls(packed, scales, zeros, bits, n, k, k_pad, block, group, float(sym_zero_point(bits)))
+
+    def rows(self, start: int, stop: int) -> "PackedWeight | None":
+        """Output rows ``start:stop`` as views of this layout (no copy), or None where they do not
+        begin on a tile (and end on one, or at the last row)."""
+        tile = self.tile
+        if start % tile or (stop % tile and stop != self.out_features) or not 0 <= start < stop <= self.out_features:
+            return None
+        tiles = slice(start // tile, -(-stop // tile))
+        zeros = self.zeros[tiles] if self.zeros.numel() else self.zeros
+        return PackedWeight(self.packed[tiles], self.scales[tiles], zeros, self.bits, stop - start,
+                            self.in_features, self.k_pad, self.block, self.group, self.zero_const)
 
 
 def _tile_rows(t: torch.Tensor, n_pad: int, tile: int) -> torch.Tensor:
@@ -198,17 +234,61 @@ class X86WoqKernel(WeightOnlyKernel):
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype, device: torch.device,
                  large_m: int | None = -1, kernels: CpuKernels | None = None) -> None:
-        self.ext = kernels if kernels is not None else load_cpu_kernels()
-        if self.ext is None:
+        ext = kernels if kernels is not None else load_cpu_kernels()
+        if ext is None:
             raise ValueError("the x86 kernels are not available on this system")
-        self.weight = repack(qw, self.ext.tile_rows, self.ext)
-        self.dtype = dtype
+        self._setup(ext, dtype, large_m, repack(qw, ext.tile_rows, ext))
+
+    @classmethod
+    def from_packed(cls, packed: PackedWeight, dtype: torch.dtype, large_m: int | None = -1,
+                    kernels: CpuKernels | None = None) -> "X86WoqKernel":
+        """The kernel of a weight already in this variant's layout (a saved one, mapped), used as is."""
+        ext = kernels if kernels is not None else load_cpu_kernels()
+        if ext is None:
+            raise ValueError("the x86 kernels are not available on this system")
+        if packed.tile != ext.tile_rows or (packed.bits == 6 and packed.tile != TILE):
+            raise ValueError(f"a layout of {packed.tile}-row tiles does not fit the {ext.name} kernels")
+        kernel = cls.__new__(cls)
+        kernel._setup(ext, dtype, large_m, packed)
+        return kernel
+
+    def _setup(self, ext: CpuKernels, dtype: torch.dtype, large_m: int | None, pw: PackedWeight) -> None:
+        self.ext, self.dtype = ext, dtype
         # -1: decide from the CPU; None: VNNI at every M.
-        large_m = default_large_m(self.ext.name) if large_m == -1 else large_m
+        large_m = default_large_m(ext.name) if large_m == -1 else large_m
         self.large_m = large_m if large_m is not None else 2**62
-        pw = self.weight
+        self._use(pw)
+        # (kernel, first row) when this kernel is rows of another's weight (:meth:`rows`).
+        self.parent: tuple[X86WoqKernel, int] | None = None
+
+    def _use(self, pw: PackedWeight) -> None:
+        self.weight = pw
         self._args = (pw.packed, pw.scales, pw.zeros, pw.bits, pw.out_features)
         self._geometry = (pw.k_pad, pw.block, pw.group, pw.zero_const)
+
+    def rows(self, start: int, stop: int) -> "X86WoqKernel | None":
+        """The kernel of output rows ``start:stop``, sharing this one's weight (no copy); None
+        where they do not fall on tiles (:meth:`PackedWeight.rows`)."""
+        pw = self.weight.rows(start, stop)
+        if pw is None:
+            return None
+        view = X86WoqKernel.__new__(X86WoqKernel)
+        view._setup(self.ext, self.dtype, self.large_m, pw)
+        view.parent = (self, start)
+        return view
+
+    @staticmethod
+    def joined(kernels: list) -> "X86WoqKernel | None":
+        """The kernel whose rows ``kernels`` are, in order and all of them; None if they are not."""
+        parents = [k.parent if isinstance(k, X86WoqKernel) else None for k in kernels]
+        if any(p is None for p in parents) or len({id(p[0]) for p in parents}) != 1:
+            return None
+        whole, start = parents[0][0], 0
+        for kernel, (_, first) in zip(kernels, parents):
+            if first != start:
+                return None
+            start += kernel.weight.out_features
+        return whole if start == whole.weight.out_features else None
 
     @property
     def op_args(self) -> tuple:

@@ -7,7 +7,8 @@ over the concatenated weights of linears that share an input: at batch 1 a decod
 bound by reading weights, and every extra kernel call adds fixed overhead, so one call reads
 the same bytes in fewer, longer streams. The fused matmul is derived state that its caller owns
 (the C++ decoder); the modules keep HF's parameter names and run their projections one by one.
-Dense linears are re-pointed at row slices of the fused weight, so no memory is duplicated.
+Dense linears are re-pointed at row slices of the fused weight, and weight-only ones at row
+views of the fused kernel (:func:`share_rows`), so no memory is duplicated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from fastdraft.kernels.fused import dense_linear
 from fastdraft.kernels.ops.attention_ops import MAX_CAUSAL_DECODE_TOKENS
 from fastdraft.kernels.x86 import X86WoqKernel
 from fastdraft.layers.quant_linear import QuantLinear
+
+
+# The projections of a decoder layer that read one input and run as one matmul, by owner module.
+PROJECTION_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
 
 def _concat_bias(linears: list[nn.Module]) -> torch.Tensor | None:
@@ -78,6 +83,11 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
                  for lin in linears}
     if len(signature) != 1 or first.kernel_name is not None:
         return None
+    bias = _concat_bias(linears)
+    bias = None if bias is None else bias.to(dtype)
+    whole = X86WoqKernel.joined([lin.built_kernel(dtype, device) for lin in linears])
+    if whole is not None:  # the linears already run rows of one fused kernel
+        return FusedLinear(kernel=whole, bias=bias)
     parts = [lin.quantized_weight for lin in linears]
     qw = QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
                          None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
@@ -85,8 +95,30 @@ def _build_quant(linears: list[QuantLinear], dtype: torch.dtype, device: torch.d
     cls = kernel_class(qw, dtype, device)
     if cls.capabilities.priority <= 0:  # only the dense reference: fusing would copy weights
         return None
-    bias = _concat_bias(linears)
-    return FusedLinear(kernel=cls(qw, dtype, device), bias=None if bias is None else bias.to(dtype))
+    kernel = cls(qw, dtype, device)
+    share_rows(kernel, linears, dtype, device)
+    return FusedLinear(kernel=kernel, bias=bias)
+
+
+def row_kernels(kernel, linears: list[QuantLinear]) -> list | None:
+    """Each of ``linears``' rows of ``kernel`` (their fused weight, in order) as a kernel that
+    shares its memory; None where the kernel's layout cannot split there."""
+    if not isinstance(kernel, X86WoqKernel):
+        return None
+    views, start = [], 0
+    for lin in linears:
+        views.append(kernel.rows(start, start + lin.out_features))
+        start += lin.out_features
+    return None if any(view is None for view in views) else views
+
+
+def share_rows(kernel, linears: list[QuantLinear], dtype: torch.dtype, device: torch.device) -> bool:
+    """Make each of ``linears`` run its rows of ``kernel`` (their fused weight) instead of a
+    copy of its own, where the kernel's layout allows it; whether it did."""
+    views = row_kernels(kernel, linears)
+    for lin, view in zip(linears, views or []):
+        lin.adopt_kernel(view, dtype, device)
+    return views is not None
 
 
 def has_hooks(module: nn.Module) -> bool:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, resolve_group_size
+from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, dequantize, resolve_group_size
 from fastdraft.kernels import WeightOnlyKernel, kernel_class, select_kernel
 
 
@@ -59,17 +59,29 @@ class QuantLinear(nn.Module):
         return QuantizedWeight(self.qweight, self.scales, getattr(self, "qzeros", None),
                                self.bits, self.group_size, self.in_features)
 
-    def kernel_for(self, dtype: torch.dtype, device: torch.device) -> WeightOnlyKernel:
+    def _key(self, dtype: torch.dtype, device: torch.device | str) -> tuple:
         # One key per physical device ("cuda" is "cuda:0" there): a kernel rebuilt for the same
         # device would free the weights a captured CUDA graph still reads.
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        key = (dtype, device)
+        return dtype, device, self.kernel_name
+
+    def kernel_for(self, dtype: torch.dtype, device: torch.device) -> WeightOnlyKernel:
+        key = self._key(dtype, device)
         if self._kernel is None or self._kernel_key != key:
-            self._kernel = select_kernel(self.quantized_weight, dtype, device, self.kernel_name)
+            self._kernel = select_kernel(self.quantized_weight, dtype, key[1], self.kernel_name)
             self._kernel_key = key
         return self._kernel
+
+    def built_kernel(self, dtype: torch.dtype, device: torch.device) -> WeightOnlyKernel | None:
+        """The kernel already built for ``dtype`` and ``device``, if any (none is built here)."""
+        return self._kernel if self._kernel_key == self._key(dtype, device) else None
+
+    def adopt_kernel(self, kernel: WeightOnlyKernel, dtype: torch.dtype, device: torch.device) -> None:
+        """Run ``kernel`` (this weight, already laid out: a saved layout, rows of a fused
+        kernel) for ``dtype`` and ``device`` instead of building one."""
+        self._kernel, self._kernel_key = kernel, self._key(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel_for(x.dtype, x.device)(x)
@@ -96,22 +108,31 @@ def exact_min_rows(model: nn.Module) -> int:
 
 
 class QuantEmbedding(nn.Module):
-    """INT8 per-row embedding table: only the looked-up rows are dequantized."""
+    """A quantized embedding table (any :class:`QuantizedWeight` format: INT8 per row, a GGUF
+    file's blocks): only the looked-up rows are dequantized."""
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
-        if qw.bits != 8 or qw.group_size != qw.in_features:
-            raise ValueError("QuantEmbedding stores INT8 per-row weights")
-        self.register_buffer("qweight", qw.qweight)  # [vocab, hidden] int8
-        self.register_buffer("scales", qw.scales)  # [vocab, 1]
+        self.num_embeddings, self.embedding_dim = qw.out_features, qw.in_features
+        self.bits, self.group_size = qw.bits, qw.group_size
+        self.register_buffer("qweight", qw.qweight)  # [vocab, packed hidden]
+        self.register_buffer("scales", qw.scales)  # [vocab, num_groups]
+        if qw.zeros is not None:
+            self.register_buffer("qzeros", qw.zeros)
         self.dtype = dtype
 
     @classmethod
-    def empty(cls, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | str = "meta") -> "QuantEmbedding":
-        qweight = torch.empty(num_embeddings, dim, dtype=torch.int8, device=device)
-        scales = torch.empty(num_embeddings, 1, dtype=SCALE_DTYPE, device=device)
-        return cls(QuantizedWeight(qweight, scales, None, 8, dim, dim), dtype)
+    def empty(cls, num_embeddings: int, dim: int, dtype: torch.dtype, fmt: WeightFormat | None = None,
+              device: torch.device | str = "meta") -> "QuantEmbedding":
+        """A placeholder with the right tensor shapes (INT8 per row unless ``fmt``), to be filled
+        by ``load_state_dict``."""
+        fmt = fmt or WeightFormat(8, dim, True)
+        shapes = QuantLinear.empty(dim, num_embeddings, fmt, False, device).quantized_weight
+        return cls(shapes, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(input_ids, self.qweight).float()
-        return (rows * F.embedding(input_ids, self.scales).float()).to(self.dtype)
+        zeros = getattr(self, "qzeros", None)
+        rows = QuantizedWeight(F.embedding(input_ids, self.qweight), F.embedding(input_ids, self.scales),
+                               None if zeros is None else F.embedding(input_ids, zeros),
+                               self.bits, self.group_size, self.embedding_dim)
+        return dequantize(rows, torch.float32).to(self.dtype)  # [num_tokens, hidden_size]

@@ -135,7 +135,12 @@ class DecoderModel(nn.Module):
     def __init__(self, plan: DecoderPlan) -> None:
         super().__init__()
         self.plan = plan
-        self.embed_tokens = nn.Embedding(plan.vocab_size, plan.hidden_size)
+        # The default initialisation, skipped on the meta device: there ``normal_`` goes through
+        # torch's reference ops, whose first use imports TorchDynamo (over a second).
+        weight = torch.empty(plan.vocab_size, plan.hidden_size)  # [vocab_size, hidden_size]
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(plan.vocab_size, plan.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(layer, plan.hidden_size, i) for i, layer in enumerate(plan.layers))
         self.norm = _norm(plan.final_norm, plan.hidden_size)
         # One table per distinct rotary (Gemma's local and global layers differ); none has weights.
@@ -154,7 +159,8 @@ class DecoderModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> [num_tokens, hidden_size], scaled as the plan says (in the
         activations' dtype, as HF's Gemma scales)."""
-        hidden_states = self.embed_tokens(input_ids)
+        # A quantized table may dequantize to another dtype than the activations'.
+        hidden_states = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.plan.embedding_scale is not None:
             hidden_states = hidden_states * torch.tensor(self.plan.embedding_scale, dtype=hidden_states.dtype)
         return hidden_states

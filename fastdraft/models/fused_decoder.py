@@ -21,7 +21,7 @@ from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.kernels.mode import is_batch_invariant
 from fastdraft.kernels.ops.attention_ops import is_paged_block_size
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
-from fastdraft.layers.linear import cpu_linear_op, cpu_projections_op
+from fastdraft.layers.linear import PROJECTION_GROUPS, cpu_linear_op, cpu_projections_op
 from fastdraft.layers.quant_linear import QuantLinear
 from fastdraft.models.plan import LayerPlan
 
@@ -33,9 +33,10 @@ def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device
     norms = [getattr(layer, n.name).weight.detach() for n in (plan.pre_attention_norm, plan.pre_mlp_norm)]
     if any(n.dtype != dtype for n in norms):
         return None
-    ops = [cpu_projections_op(ext, layer.self_attn, ("q_proj", "k_proj", "v_proj"), dtype, device, min_rows),
+    (attn_owner, qkv), (mlp_owner, gate_up) = PROJECTION_GROUPS
+    ops = [cpu_projections_op(ext, layer.get_submodule(attn_owner), qkv, dtype, device, min_rows),
            cpu_linear_op(ext, layer.self_attn.o_proj, dtype, device, min_rows),
-           cpu_projections_op(ext, layer.mlp, ("gate_proj", "up_proj"), dtype, device, min_rows),
+           cpu_projections_op(ext, layer.get_submodule(mlp_owner), gate_up, dtype, device, min_rows),
            cpu_linear_op(ext, layer.mlp.down_proj, dtype, device, min_rows)]
     if any(op is None for op in ops):
         return None

@@ -57,9 +57,11 @@ def apply_quant_structure(model: CausalLM, config: QuantConfig) -> None:
     if head_format is not None:
         head = model.lm_head
         model.lm_head = QuantLinear.empty(head.in_features, head.out_features, head_format, False)
-    if config.embed_bits == 8:
+    embed_format = config.embedding_format()
+    if embed_format is not None:
         embed = model.model.embed_tokens
-        model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed.weight.dtype)
+        model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim,
+                                                        embed.weight.dtype, embed_format)
 
 
 def build_quantized_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -20,8 +20,9 @@ other     INT8 g32, symmetric         not exact: requantized (RTN) from the dequ
                                       values, with a warning
 ========  ==========================  =====================================================
 
-Float tensors (norms, biases, F16/F32 weights) and the token embedding, of which a decode
-step reads one row, stay dense.
+Float tensors (norms, biases, F16/F32 weights) stay dense. A quantized token embedding keeps
+its blocks (:class:`~fastdraft.layers.quant_linear.QuantEmbedding`): a step dequantizes only
+the rows it looks up.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from fastdraft.formats import SCALE_DTYPE, QuantizedWeight, WeightFormat, pack_int4, pack_int6, quantize
-from fastdraft.layers.quant_linear import QuantLinear, exact_min_rows
+from fastdraft.layers.quant_linear import QuantEmbedding, QuantLinear, exact_min_rows
 from fastdraft.models.gguf_convert import unpermute_llama
 from fastdraft.models.causal_lm import CausalLM
 from fastdraft.quant.quant_config import LAYER_LINEARS, QuantConfig
@@ -313,6 +314,12 @@ def apply_gguf_native(model: CausalLM, gguf_path: str | Path) -> QuantConfig:
             if module is not None:
                 replace_module(layer, name, module)
                 formats[f"{idx}.{name}"] = weight_format(module.quantized_weight)
+    # The embedding keeps the file's blocks too: a step reads a few of its rows, and a dense
+    # copy would be the largest tensor in memory.
+    embedding, _ = native_weight(tensors["token_embd.weight"])
+    if embedding is not None:
+        model.model.embed_tokens = QuantEmbedding(embedding, model.dtype)
+        formats["embed_tokens"] = weight_format(embedding)
     # A tied head reads the embedding's blocks, as llama.cpp does.
     head = take("output.weight" if "output.weight" in tensors else "token_embd.weight", model.lm_head)
     if head is not None:

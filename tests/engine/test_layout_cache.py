@@ -48,6 +48,16 @@ def test_a_cached_layout_gives_the_fresh_conversions_logits(quantized_gguf, monk
     assert _is_mapped_from(qweight.data_ptr(), entry / "model.safetensors")
     assert not _is_mapped_from(fresh.model.model.layers[0].self_attn.q_proj.qweight.data_ptr(),
                                entry / "model.safetensors")
+    # The kernels run their own layout mapped from the cache too, gate/up (one format here) as
+    # rows of one fused weight; the repacked copy of the fresh model lives in memory.
+    (kernels_file,) = entry.glob("kernels-*.safetensors")
+    layer, cpu = cached.model.model.layers[0], torch.device("cpu")
+    kernels = [layer.get_submodule(name).built_kernel(torch.float32, cpu)
+               for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj")]
+    assert all(kernel is not None and _is_mapped_from(kernel.weight.packed.data_ptr(), kernels_file) for kernel in kernels)
+    assert kernels[1].parent[0] is kernels[2].parent[0]
+    fresh_kernel = fresh.model.model.layers[0].self_attn.q_proj.built_kernel(torch.float32, torch.device("cpu"))
+    assert not _is_mapped_from(fresh_kernel.weight.packed.data_ptr(), kernels_file)
     # Another dtype is another entry.
     assert layout_dir(quantized_gguf, torch.bfloat16) != entry
 
@@ -65,9 +75,10 @@ def _edit(path) -> None:
 @pytest.mark.parametrize("damage", [_truncate, _edit, lambda path: (path.parent / "manifest.json").unlink()],
                          ids=["truncated", "edited", "no manifest"])
 @torch.inference_mode()
-def test_a_broken_entry_is_rebuilt_not_used(quantized_gguf, damage, caplog):
+@pytest.mark.parametrize("file_name", ["model.safetensors", "kernels-*.safetensors"])
+def test_a_broken_entry_is_rebuilt_not_used(quantized_gguf, damage, file_name, caplog):
     want = prompt_logits(load_model(quantized_gguf, dtype="fp32").model, IDS)
-    weights = layout_dir(quantized_gguf, torch.float32) / "model.safetensors"
+    (weights,) = layout_dir(quantized_gguf, torch.float32).glob(file_name)
     damage(weights)
     with caplog.at_level(logging.WARNING, logger="fastdraft.engine.layout_cache"):
         rebuilt = load_model(quantized_gguf, dtype="fp32")

@@ -148,12 +148,12 @@ def test_a_model_keeps_its_gguf_blocks(quantized_gguf, tmp_path):
     assert torch.equal(prompt_logits(reloaded.model, ids), native_logits)
 
     # With the reference kernel (dequantize, then an fp32 matmul) only the reference's bf16
-    # rounding of the weights is left.
+    # rounding of the weights is left, and the fp16 zero points of the Q4_1 embedding.
     plain = load_model(quantized_gguf, dtype="fp32", keep_gguf_quant=True).model
     for module in plain.modules():
         if hasattr(module, "quantized_weight"):
             module.kernel_name = "reference"
-    assert torch.allclose(prompt_logits(plain, ids), ref_logits, atol=2e-2)
+    assert torch.allclose(prompt_logits(plain, ids), ref_logits, atol=3e-2)
 
 
 def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
