@@ -43,8 +43,8 @@ if configure_process is not None:
     configure_process(num_threads=int(threads))
 else:
     torch.set_num_threads(int(threads))
-loaded = load_model(model, dtype="bf16", keep_gguf_quant=False)
-if quant != "bf16":
+loaded = load_model(model, dtype="bf16", keep_gguf_quant=quant == "gguf")
+if quant not in ("bf16", "gguf"):
     quantize_model(loaded.model, parse_quant_spec(quant), show_progress=False)
 ids = loaded.tokenizer.encode(open(__import__("os").__file__).read())
 params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("b", type=Path, help="checkout B")
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--quant", default="method=rtn,group_size=128,sym=true",
-                        help="a quantization spec both checkouts parse, or bf16")
+                        help="a quantization spec both checkouts parse, bf16, or gguf (the GGUF file's own blocks)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10)

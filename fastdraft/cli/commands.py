@@ -171,8 +171,10 @@ def _serving_engine(model: str, dtype: str, quant, load_in_low_bit: str | None, 
         loaded = quantized_model(model, quant, dtype)
     else:
         loaded = load_model(model, dtype=dtype, load_in_low_bit=load_in_low_bit)
-    return LLMEngine(loaded, engine_config,
-                     speculation=None if speculative is None else speculator_factory(speculative))
+    engine = LLMEngine(loaded, engine_config,
+                       speculation=None if speculative is None else speculator_factory(speculative))
+    engine.structured.prepare()  # a server expects constrained requests: be ready for the first
+    return engine
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:

@@ -46,6 +46,14 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
         gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_file(model_dir / "config.json")
+    net = _load_weights(config, model_dir, torch_dtype, device, gguf_path, load_in_low_bit)
+    return LoadedModel(model=net, tokenizer=Tokenizer(model_dir), config=config, model_dir=model_dir)
+
+
+def _load_weights(config: ModelConfig, model_dir: Path, torch_dtype: torch.dtype, device: torch.device,
+                  gguf_path: Path | None, load_in_low_bit: str | None) -> nn.Module:
+    """The model of ``model_dir`` as :func:`load_model` was asked for it (``gguf_path``: run
+    that file's own blocks)."""
     saved_quant = quant_config_from_model_config(config.extra)
     if gguf_path is not None and saved_quant is None:
         net = load_layout(gguf_path, torch_dtype, device)
@@ -68,8 +76,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
         if saved_quant is not None:
             raise ValueError(f"{model_dir} is already quantized; load it without load_in_low_bit")
         quantize_model(net, QuantConfig.from_low_bit(load_in_low_bit), show_progress=False)
-    tokenizer = Tokenizer(model_dir)
-    return LoadedModel(model=net, tokenizer=tokenizer, config=config, model_dir=model_dir)
+    return net
 
 
 def describe_weights(model: nn.Module) -> str:

@@ -121,8 +121,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 class StructuredOutputs:
     """Grammar state of one engine: compiled constraints by content, a matcher per sequence.
 
-    The tokenizer's grammar view (about a second and a half for a 150k-token vocabulary) is
-    built on the worker thread as soon as this is made, at the engine's start."""
+    The tokenizer's grammar view (about a second and a half and a hundred MB for a 150k-token
+    vocabulary) is built on the worker thread at the first constraint, or at :meth:`prepare`
+    (a server's start)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
@@ -130,7 +131,14 @@ class StructuredOutputs:
         self._matchers: dict[int, llguidance.LLMatcher] = {}  # seq_id -> its matcher, once compiled
         self._executor: llguidance.LLExecutor | None = None  # fills a step's masks in parallel; made on first use
         self._compiles = ThreadPoolExecutor(1, thread_name_prefix="fastdraft-grammar")
-        self._tokenizer = self._compiles.submit(self._build_tokenizer, tokenizer, vocab_size, stop_token_ids)
+        self._tokenizer_args = (tokenizer, vocab_size, stop_token_ids)
+        self._tokenizer: Future | None = None
+
+    def prepare(self) -> None:
+        """Start building the tokenizer's grammar view now, in the background, so that the
+        first constrained request does not wait for it."""
+        if self._tokenizer is None:
+            self._tokenizer = self._compiles.submit(self._build_tokenizer, *self._tokenizer_args)
 
     @staticmethod
     def _build_tokenizer(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -148,6 +156,7 @@ class StructuredOutputs:
         """Start compiling ``constraint`` (or find it compiled); its future."""
         future = self._compiled.get(constraint)
         if future is None:
+            self.prepare()  # queued before the compile that needs it
             future = self._compiles.submit(self._compile, constraint)
             self._compiled[constraint] = future
         return future

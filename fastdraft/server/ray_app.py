@@ -362,7 +362,9 @@ class _Ingress:
 
 def serving_engine(model: str, dtype: str, engine_config: EngineConfig) -> LLMEngine:
     """A replica's engine: ``model`` loaded in ``dtype``, sized by ``engine_config``."""
-    return LLMEngine(load_model(model, dtype=dtype), engine_config)
+    engine = LLMEngine(load_model(model, dtype=dtype), engine_config)
+    engine.structured.prepare()  # a server expects constrained requests: be ready for the first
+    return engine
 
 
 def build_ray_app(args: dict[str, Any]):

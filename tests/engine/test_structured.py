@@ -141,8 +141,10 @@ def test_a_lark_grammar_is_read_as_well_as_gbnf(loaded):
     assert re.fullmatch(r"ab|cd[0-9]", text) and finish == "stop"
 
 
-def test_the_tokenizers_grammar_view_is_built_at_start_up(loaded):
-    engine = _engine(loaded)  # no constrained request yet
+def test_the_tokenizers_grammar_view_is_built_on_demand_or_when_prepared(loaded):
+    engine = _engine(loaded)  # no constrained request yet: nothing built
+    assert engine.structured._tokenizer is None
+    engine.structured.prepare()  # a server's start
     assert engine.structured._tokenizer.result(timeout=60).vocab_size == engine.vocab_size
 
 
