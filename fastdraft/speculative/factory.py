@@ -5,6 +5,8 @@ proposer and cache; the draft-length policy with the pass costs it weighs, timed
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from dataclasses import replace
 
@@ -14,14 +16,15 @@ from fastdraft.engine.block_manager import BlockManager
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.speculation import Speculator, SpeculatorFactory
-from fastdraft.fileio import fastdraft_home
+from fastdraft.fileio import fastdraft_home, write_json
+from fastdraft.kernels.build import load_cpu_kernels
 from fastdraft.layers.kv_cache import PagedKVCache
 from fastdraft.layers.linear import is_dense_linear
 from fastdraft.models.files import LoadedModel, build_model, load_state_dict
 from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.speculative.speculative_config import NGRAM, SELF, SpeculativeConfig
-from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, measure_pass_cost
+from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost, measure_pass_cost
 from fastdraft.speculative.draft_vocab import frequent_token_ids, restrict_lm_head
 from fastdraft.speculative.proposer import DraftModelProposer, NgramProposer
 
@@ -46,14 +49,12 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: Mod
     if config.is_adaptive:  # a fixed draft length needs no costs
         max_tokens = max_num_seqs * (config.num_speculative_tokens + 1)
         free_blocks = runner.block_manager.num_free_blocks
-        target_cost = measure_pass_cost(lambda n: _time_pass(runner, n), min(64, max_tokens, free_blocks))
+        target_cost = pass_cost(runner, min(64, max_tokens, free_blocks))
         if runner.graphs is not None:  # plain decode steps replay graphs, verifications run eagerly
-            plain_cost = measure_pass_cost(lambda n: _time_pass(runner, n, use_graphs=True),
-                                           min(64, max_num_seqs, runner.graphs.max_batch, free_blocks))
+            plain_cost = pass_cost(runner, min(64, max_num_seqs, runner.graphs.max_batch, free_blocks), use_graphs=True)
         if isinstance(proposer, DraftModelProposer):
             # A draft pass holds no more rows than the target's (one per drafting sequence).
-            draft_cost = measure_pass_cost(lambda n: _time_pass(proposer.runner, n),
-                                           min(64, max_tokens, proposer.runner.block_manager.num_free_blocks))
+            draft_cost = pass_cost(proposer.runner, min(64, max_tokens, proposer.runner.block_manager.num_free_blocks))
     policy = DraftLengthPolicy(config.num_speculative_tokens, target_cost, draft_cost, config.is_adaptive,
                                pending_tokens=proposer.pending_tokens, plain_cost=plain_cost)
     return Speculator(proposer, policy)
@@ -63,11 +64,43 @@ def build_speculator(config: SpeculativeConfig, target: LoadedModel, runner: Mod
 _TIMING_CONTEXT = 128
 
 
-def _time_pass(runner: ModelRunner, num_seqs: int, use_graphs: bool = False) -> float:
-    """Seconds of a decode pass of ``num_seqs`` sequences, with as much context as fits."""
+def _timing_context(runner: ModelRunner, num_seqs: int) -> int:
+    """Cached tokens of each sequence a pass of ``num_seqs`` is timed with: as many as fit."""
     pool_tokens = runner.block_manager.num_free_blocks * runner.block_manager.block_size
-    context = min(_TIMING_CONTEXT, pool_tokens // num_seqs - runner.block_manager.block_size)
-    return runner.time_pass(num_seqs, max(context, 0), use_graphs=use_graphs)
+    return max(min(_TIMING_CONTEXT, pool_tokens // num_seqs - runner.block_manager.block_size), 0)
+
+
+def pass_cost(runner: ModelRunner, max_size: int, use_graphs: bool = False) -> PassCost:
+    """The cost of ``runner``'s decode passes up to ``max_size`` sequences (``measure_pass_cost``).
+
+    A cost depends on the model's shapes and weight formats, the device, the kernels and the
+    threads, not on the weights' values or the process: it is timed once for each of those
+    and kept under ``$FASTDRAFT_HOME/pass_costs/`` (delete the folder to time again)."""
+    model = runner.model
+    quant_config = getattr(model, "quant_config", None)
+    device = model.device
+    kernels = load_cpu_kernels() if device.type == "cpu" else None
+    sizes = [size for size in (1, 4, 16, 64, max_size) if size <= max_size]
+    key = json.dumps({
+        "config": model.config.to_hf_dict(), "dtype": str(model.dtype),
+        "weights": None if quant_config is None else quant_config.to_dict(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "kernels": None if kernels is None else kernels.name, "threads": torch.get_num_threads(),
+        "executor": type(runner.decoder).__name__, "block_size": runner.block_manager.block_size,
+        "contexts": [_timing_context(runner, size) for size in sizes], "use_graphs": use_graphs,
+    }, sort_keys=True, default=str)
+    path = fastdraft_home() / "pass_costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        return PassCost([(int(size), float(seconds)) for size, seconds in json.loads(path.read_text())["points"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not timed yet, or unreadable: time it
+    cost = measure_pass_cost(
+        lambda n: runner.time_pass(n, _timing_context(runner, n), use_graphs=use_graphs), max_size)
+    try:
+        write_json(path, {"points": list(zip(cost.sizes, cost.seconds))})
+    except OSError as exc:
+        logger.warning("could not keep the pass costs in %s: %s", path, exc)
+    return cost
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -419,3 +419,21 @@ def test_policy_weighs_drafting_against_the_plain_steps_own_curve():
     assert with_graphs.draft_lengths(_seqs(1), 1) == [0]
     # A step that also carries another sequence's prefill runs eagerly: the eager curve applies.
     assert with_graphs.draft_lengths(_seqs(1), 40) == eager_only.draft_lengths(_seqs(1), 40)
+
+
+def test_pass_costs_are_timed_once_per_shape_and_kept(target, tiny_models, isolated_home, monkeypatch):
+    from fastdraft.speculative import factory
+
+    config = SpeculativeConfig(draft="self", num_speculative_tokens=4, min_confidence=0.0)
+    first = _engine(target, config).speculator.policy
+    assert list((isolated_home / "pass_costs").glob("*.json"))  # the target's and the draft's
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(factory, "measure_pass_cost", refuse)
+    again = _engine(target, config).speculator.policy
+    assert (again.target_cost.sizes, again.target_cost.seconds) == (first.target_cost.sizes, first.target_cost.seconds)
+    # Another shape (the tiny llama's, not qwen2's) is timed for itself.
+    with pytest.raises(AssertionError, match="timed again"):
+        _engine(load_model(tiny_models.dir("llama"), dtype="fp32"), config)
