@@ -11,7 +11,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Activations by HF name (``hidden_act``, Gemma's ``hidden_activation``) -> the plan's name.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Fields only some architectures have: left out of ``to_hf_dict`` while unset.
+_OPTIONAL_FIELDS = ("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
+                    "final_logit_softcapping", "attn_logit_softcapping")
 
 
 @dataclass
@@ -40,6 +47,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "bfloat16"
+    # Gemma 3: attention scale 1/sqrt(query_pre_attn_scalar); "sliding_attention" layers see the
+    # last ``sliding_window`` positions and rotate with ``rope_local_base_freq``.
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,8 +77,14 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' is implemented")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; implemented: {', '.join(ACTIVATIONS)}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers
+                                             or set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name one of {LAYER_TYPES} for each of the "
+                             f"{self.num_hidden_layers} layers")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type not in ("default", "llama3", None):
@@ -92,8 +113,16 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases; HF encodes that in the class, not the config.
         if raw.get("model_type") == "qwen2" and "attention_bias" not in raw:
             kwargs["attention_bias"] = True
-        # transformers >= 5 writes rope_theta and the scaling inside "rope_parameters".
+        if "hidden_activation" in raw and raw["hidden_activation"] is not None:  # Gemma's name for it
+            kwargs["hidden_act"] = raw["hidden_activation"]
+        # transformers >= 5 writes rope_theta and the scaling inside "rope_parameters", per layer
+        # type where those differ (Gemma 3).
         rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, dict) and set(rope_parameters) <= set(LAYER_TYPES):
+            local = rope_parameters.get("sliding_attention") or {}
+            if "rope_local_base_freq" not in kwargs and local.get("rope_theta") is not None:
+                kwargs["rope_local_base_freq"] = local["rope_theta"]
+            rope_parameters = rope_parameters.get("full_attention")
         if isinstance(rope_parameters, dict):
             if "rope_theta" not in kwargs and rope_parameters.get("rope_theta") is not None:
                 kwargs["rope_theta"] = rope_parameters["rope_theta"]
@@ -116,7 +145,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` form (loadable by transformers too)."""
-        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out = {k: v for k, v in asdict(self).items()
+               if k != "extra" and not (k in _OPTIONAL_FIELDS and v is None)}
         out.update(self.extra)
         out["architectures"] = [SUPPORTED_MODEL_TYPES[self.model_type]]
         return out

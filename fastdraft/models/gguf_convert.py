@@ -39,12 +39,28 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 names its norms after where they sit: "ffn_norm" is the pre-MLP norm there.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SUPPORTED_ARCHS = ("llama", "qwen2")
+# GGUF architecture -> (HF model_type, its layer tensor names).
+_ARCHS = {
+    "llama": ("llama", _LAYER_TENSORS),
+    "qwen2": ("qwen2", _LAYER_TENSORS),
+    "gemma3": ("gemma3_text", _GEMMA3_LAYER_TENSORS),
+}
+# What llama.cpp assumes where a Gemma 3 GGUF file is silent (its converter drops these).
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 # Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (the same regexes the
 # original HF tokenizer.json files use).
@@ -57,6 +73,7 @@ _LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -74,22 +91,28 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _read_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}")
+    if arch not in _ARCHS:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     names = {t.name for t in reader.tensors}
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    gemma = {}
+    if arch == "gemma3":  # the layer pattern follows from the plan's default (every sixth global)
+        gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                     sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+                     rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE)
     return ModelConfig(
-        model_type=arch,
+        model_type=_ARCHS[arch][0],
         vocab_size=int(embed.shape[1]) if tokens is None else max(len(tokens), int(embed.shape[1])),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
         num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
@@ -98,6 +121,7 @@ def _read_config(reader: Any) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_eos_token_ids(reader),
         torch_dtype="bfloat16",
+        **gemma,
     )
 
 
@@ -127,13 +151,13 @@ def unpermute_llama(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_TENSORS:
-            return f"model.layers.{idx}.{_LAYER_TENSORS[rest]}"
+        if rest in layer_tensors:
+            return f"model.layers.{idx}.{layer_tensors[rest]}"
     return None
 
 
@@ -141,8 +165,11 @@ def _convert_tensors(reader: Any, config: ModelConfig, dtype: torch.dtype) -> di
     from gguf.quants import dequantize
 
     tensors: dict[str, torch.Tensor] = {}
+    layer_tensors = _ARCHS[_field(reader, "general.architecture")][1]
+    # llama.cpp's converter stores Gemma's norm weights w as 1 + w (its norm multiplies by them).
+    norm_offset = 1.0 if config.model_type == "gemma3_text" else 0.0
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", leave=False):
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, layer_tensors)
         if name is None:
             if t.name == "rope_freqs.weight":
                 continue
@@ -153,7 +180,10 @@ def _convert_tensors(reader: Any, config: ModelConfig, dtype: torch.dtype) -> di
         if config.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = unpermute_llama(array, heads)
-        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)  # copy: memmap is read-only
+        array = np.array(array, dtype=np.float32)  # a copy: the memmap is read-only
+        if norm_offset and name.endswith("norm.weight"):
+            array -= norm_offset
+        tensors[name] = torch.from_numpy(array).to(dtype)
     embed = tensors["model.embed_tokens.weight"]
     if embed.shape[0] < config.vocab_size:
         raise GGUFError("embedding has fewer rows than the vocabulary")
@@ -164,14 +194,75 @@ def _convert_tensors(reader: Any, config: ModelConfig, dtype: torch.dtype) -> di
 
 def build_tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
     """Rebuild an HF ``tokenizers.Tokenizer`` and its tokenizer_config from GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is implemented")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
     tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
     token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    if kind == "llama":
+        tokenizer = _sentencepiece_tokenizer(reader, tokens, token_types)
+    elif kind == "gpt2":
+        tokenizer = _byte_level_tokenizer(reader, tokens)
+    else:
+        raise GGUFError(f"unsupported GGUF tokenizer model {kind!r}; implemented: byte-level BPE ('gpt2') "
+                        "and SentencePiece ('llama')")
+    added = [AddedToken(tok, special=(kind_ == _TOKEN_TYPE_CONTROL), normalized=False)
+             for tok, kind_ in zip(tokens, token_types)
+             if kind_ in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
+    tokenizer.add_tokens(added)
+
+    def token_at(key: str) -> str | None:
+        idx = _field(reader, key)
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_at("tokenizer.ggml.eos_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return tokenizer, tokenizer_config
+
+
+def _sentencepiece_tokenizer(reader: Any, tokens: list[str], token_types: list[int]) -> Any:
+    """A SentencePiece BPE vocabulary (pieces with scores, ``▁`` for a space, byte fallback) as
+    a ``tokenizers`` BPE. SentencePiece merges the adjacent pair whose joined piece scores
+    highest, over the whole text (llama.cpp does the same): the merges are every split of a
+    piece into two pieces of the vocabulary, ranked by the joined piece's score."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = list(_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens)))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = []
+    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        piece = tokens[i]
+        if token_types[i] != _TOKEN_TYPE_NORMAL:
+            continue  # control, byte and unused pieces are never the result of a merge
+        splits = [(piece[:j], piece[j:]) for j in range(1, len(piece)) if piece[:j] in vocab and piece[j:] in vocab]
+        merges += sorted(splits, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                                     unk_token=None if unk_id is None else tokens[int(unk_id)],
+                                     fuse_unk=True, byte_fallback=True))
+    add_space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    normalize = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        normalize.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(normalize)
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode)
+    return tokenizer
+
+
+def _byte_level_tokenizer(reader: Any, tokens: list[str]) -> Any:
+    """A byte-level BPE (GPT-2 style: Qwen, Llama 3, SmolLM) from its merges and pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
 
@@ -196,25 +287,7 @@ def build_tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    added = [AddedToken(tok, special=(kind_ == _TOKEN_TYPE_CONTROL), normalized=False)
-             for tok, kind_ in zip(tokens, token_types)
-             if kind_ in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
-    tokenizer.add_tokens(added)
-
-    def token_at(key: str) -> str | None:
-        idx = _field(reader, key)
-        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
-        "eos_token": token_at("tokenizer.ggml.eos_token_id"),
-        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-    }
-    return tokenizer, tokenizer_config
+    return tokenizer
 
 
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path,

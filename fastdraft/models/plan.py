@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fastdraft.model_config import ModelConfig
+from fastdraft.model_config import ACTIVATIONS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -170,10 +170,44 @@ def llama_plan(config: ModelConfig) -> DecoderPlan:
                        NormSpec("norm", config.rms_norm_eps), is_head_tied=config.tie_word_embeddings)
 
 
+# The pattern Gemma 3 configs without ``layer_types`` follow: every sixth layer is global.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+
+
+def gemma3_plan(config: ModelConfig) -> DecoderPlan:
+    """Gemma 3: four norms a layer and q/k norms, all ``x̂ * (1 + w)``; a GELU-tanh gated MLP;
+    the embedding scaled by sqrt(hidden_size); local layers (``sliding_attention``) with their
+    own rotary base and a window, global ones with ``rope_theta`` and its scaling."""
+    eps, dim = config.rms_norm_eps, config.head_dim
+    layer_types = config.layer_types or [
+        "full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
+        for i in range(config.num_hidden_layers)]
+    scale = (config.query_pre_attn_scalar or dim) ** -0.5
+    rotaries = {"full_attention": RotarySpec(config.rope_theta, dim, _frozen(config.rope_scaling or {})),
+                "sliding_attention": RotarySpec(config.rope_local_base_freq or 10000.0, dim)}
+    mlp = MlpSpec(config.intermediate_size, ACTIVATIONS[config.hidden_act])
+
+    def norm(name: str) -> NormSpec:
+        return NormSpec(name, eps, is_offset=True)
+
+    layers = tuple(LayerPlan(
+        AttentionSpec(config.num_attention_heads, config.num_key_value_heads, dim, scale, rotaries[kind],
+                      has_qkv_bias=config.attention_bias, q_norm=norm("q_norm"), k_norm=norm("k_norm"),
+                      sliding_window=config.sliding_window if kind == "sliding_attention" else None,
+                      logit_softcap=config.attn_logit_softcapping),
+        mlp, norm("input_layernorm"), norm("pre_feedforward_layernorm"),
+        post_attention_norm=norm("post_attention_layernorm"), post_mlp_norm=norm("post_feedforward_layernorm"))
+        for kind in layer_types)
+    return DecoderPlan(config.model_type, config.vocab_size, config.hidden_size, layers, norm("norm"),
+                       is_head_tied=config.tie_word_embeddings, embedding_scale=config.hidden_size ** 0.5,
+                       final_logit_softcap=config.final_logit_softcapping)
+
+
 # model_type -> its plan function: adding an architecture adds one entry (and its weight names).
 PLAN_BUILDERS: dict[str, Callable[[ModelConfig], DecoderPlan]] = {
     "llama": llama_plan,
     "qwen2": llama_plan,
+    "gemma3_text": gemma3_plan,
 }
 
 
