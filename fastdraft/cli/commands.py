@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--load-in-low-bit", choices=["sym_int4", "asym_int4", "int8", "bf16", "fp32"], default=None,
                      help="bf16/fp32: the dequantized reference; sym_int4/asym_int4/int8: the reference "
                           "quantized on the fly (RTN). Default: a GGUF model runs on its file's own blocks")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template file for --chat (replacing the model's own)")
     gen.add_argument("--keep-gguf-quant", action="store_true",
                      help="run on the quantized blocks of the model's GGUF file (a known name or a .gguf path), "
                           "the default on a CPU; an error for a model without one")
@@ -133,6 +135,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                                  draft_device=args.draft_device, is_adaptive=not args.no_adaptive, **extra)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, load_in_low_bit=args.load_in_low_bit,
                         keep_gguf_quant=True if args.keep_gguf_quant else None)
+    if args.chat_template:
+        loaded.tokenizer.set_chat_template(read_chat_template(args.chat_template))
     # The KV pool holds this request (its prompt and new tokens), not --max-seq-len tokens.
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
     config = EngineConfig(max_num_seqs=1, max_model_len=min(args.max_seq_len, len(prompt_ids) + args.max_tokens),
@@ -151,6 +155,16 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     if m.spec is not None:
         print(f"[speculative: {m.spec.summary()}]", file=sys.stderr)
     print(f"[weights: {describe_weights(loaded.model)}]", file=sys.stderr)
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja template in file ``path``; ``ValueError`` where it cannot be read."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the chat template {path}: {exc}") from None
 
 
 def _port(text: str) -> int:
@@ -188,9 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     engine_config = EngineConfig(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                                  enable_prefix_caching=not args.no_enable_prefix_caching)
-    template = None
-    if args.chat_template:
-        template = Path(args.chat_template).read_text(encoding="utf-8")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                           max_queue=args.max_queue, chat_template=template, engine_process=args.engine_process)
     # A partial of a module-level function: picklable, for an engine in its own process.

