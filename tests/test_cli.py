@@ -121,6 +121,28 @@ def test_generate_from_local_hf_folder(capsys, llama_dir, tiny_loaded):
     assert "tokens/s" in err and f"prompt {n_prompt} tokens]" in err
 
 
+def test_generate_chats_through_a_template_file(capsys, llama_dir, tiny_loaded, tmp_path):
+    from fastdraft.generator import TextGenerator
+    from fastdraft.sampling_params import SamplingParams
+
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    args = ["generate", "--model", str(llama_dir), "--prompt", "the cat", "--max-tokens", "6", "--dtype", "fp32",
+            "--max-seq-len", "64", "--chat"]
+    assert main([*args, "--chat-template", str(template)]) == 0
+    out, _ = capsys.readouterr()
+    original = tiny_loaded.tokenizer.chat_template
+    tiny_loaded.tokenizer.set_chat_template(template.read_text())
+    try:
+        prompt_ids = tiny_loaded.tokenizer.encode("[user] the cat\n[assistant]", add_special_tokens=False)
+        expected = TextGenerator(tiny_loaded, 64).generate(prompt_ids, SamplingParams(max_new_tokens=6))
+    finally:  # the session's tokenizer gets its own template back
+        tiny_loaded.tokenizer.chat_template = original
+        tiny_loaded.tokenizer.__dict__.pop("_template", None)
+    assert out == expected.text + "\n"
+    _fails_cleanly(capsys, [*args, "--chat-template", str(tmp_path / "missing.jinja")], "cannot read the chat template")
+
+
 def test_subprocess_error_has_no_traceback(tmp_path):
     env = dict(os.environ, FASTDRAFT_HOME=str(tmp_path))
     repo_root = Path(__file__).resolve().parents[1]
