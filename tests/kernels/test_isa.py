@@ -229,8 +229,10 @@ def test_elementwise_kernels_match_scalar(isa, dtype, rel):
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_attention_matches_scalar(isa, dtype, rel, head_dim):
-    """Two sequences, one 300 keys long (two key splits) with 3 new tokens, one decoding."""
+@pytest.mark.parametrize("window", [0, 7, 270])
+def test_paged_attention_matches_scalar(isa, dtype, rel, head_dim, window):
+    """Two sequences, one 300 keys long (two key splits) with 3 new tokens, one decoding; all
+    keys, or a window starting inside the first split or the second."""
     scalar, simd = load_cpu_kernels("scalar"), load_cpu_kernels(isa)
     gen = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, block_size, num_blocks = 4, 2, 16, 32
@@ -240,7 +242,7 @@ def test_paged_attention_matches_scalar(isa, dtype, rel, head_dim):
     lens = torch.tensor([300, 40])
     qsl = torch.tensor([0, 3, 4])
     q = torch.randn(4, heads, head_dim, generator=gen).to(dtype)
-    args = (q, k_blocks, v_blocks, tables, qsl, lens, head_dim ** -0.5)
+    args = (q, k_blocks, v_blocks, tables, qsl, lens, head_dim ** -0.5, window)
     assert _close(simd.paged_attention(*args), scalar.paged_attention(*args), rel)
 
 

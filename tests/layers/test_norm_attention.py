@@ -90,3 +90,70 @@ def test_paged_attention_matches_naive(num_heads, num_kv_heads, case, head_dim, 
         expected = _naive(q[rows].transpose(0, 1), k, v, meta.positions[rows], scale)  # [heads, num_new, dim]
         torch.testing.assert_close(out[rows], expected.transpose(0, 1), atol=1e-5, rtol=1e-5,
                                    msg=f"sequence {i}")
+
+
+def _windowed_batch(seqs, block_size, num_kv_heads, head_dim, num_heads, seed=2):
+    """A flat batch of ``seqs`` [(new tokens, context length)] over a random pool: (q, k_blocks,
+    v_blocks, meta, spans)."""
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-length // block_size) for _, length in seqs) + 1
+    free = list(range(num_blocks))
+    spans = []
+    for num_new, length in seqs:
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        spans.append(Span([0] * num_new, length - num_new, table))
+    _, meta = flat_batch(spans, block_size, "cpu")
+    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim) * 2
+    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2
+    return q, k_blocks, v_blocks, meta, spans
+
+
+# (window, sequences): windows starting inside, before and past the 256-key splits of the C++
+# kernel; prefill chunks whose tokens' windows start in different splits.
+WINDOWED = {
+    "decode": (300, [(1, 600), (1, 40), (1, 257)]),
+    "chunk": (37, [(40, 540), (3, 300)]),
+    "prefill": (100, [(520, 520)]),
+    "split_sized": (256, [(6, 700), (1, 256)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(WINDOWED))
+def test_windowed_paged_attention_matches_naive(case, dtype):
+    window, seqs = WINDOWED[case]
+    num_heads, num_kv_heads, head_dim, scale = 4, 2, 32, 32 ** -0.5
+    q, k_blocks, v_blocks, meta, spans = _windowed_batch(seqs, 16, num_kv_heads, head_dim, num_heads)
+    q, k_blocks, v_blocks = q.to(dtype), k_blocks.to(dtype), v_blocks.to(dtype)
+    out = paged_attention(q, k_blocks, v_blocks, meta, scale, sliding_window=window)
+    for i, (num_new, length) in enumerate(seqs):
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        table = torch.tensor(spans[i].block_table)
+        k = k_blocks[table].transpose(0, 1).flatten(1, 2)[:, :length].float()
+        v = v_blocks[table].transpose(0, 1).flatten(1, 2)[:, :length].float()
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        qs = q[rows].transpose(0, 1).float()  # [heads, num_new, dim]
+        scores = (qs @ k.transpose(-1, -2)) * scale
+        key_pos, positions = torch.arange(length), meta.positions[rows]
+        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - window)
+        expected = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1) @ v
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out[rows].transpose(0, 1).float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="needs fastdraft's CPU kernels")
+@pytest.mark.parametrize("window", [5, 300])
+def test_a_windowed_token_attends_alike_alone_and_among_others(window):
+    # Verification (several tokens of a sequence in one call, beside another sequence) gives
+    # each token the bits a one-token decode step gives it.
+    together = [(4, 530), (2, 90)]
+    q, k_blocks, v_blocks, meta, spans = _windowed_batch(together, 16, 2, 32, 4)
+    q, k_blocks, v_blocks = q.bfloat16(), k_blocks.bfloat16(), v_blocks.bfloat16()
+    out = paged_attention(q, k_blocks, v_blocks, meta, 32 ** -0.5, sliding_window=window)
+    for t in range(4):  # token t of the first sequence, alone over the same cache
+        span = Span([0], 530 - 4 + t, spans[0].block_table)
+        _, alone_meta = flat_batch([span], 16, "cpu")
+        alone = paged_attention(q[t:t + 1], k_blocks, v_blocks, alone_meta, 32 ** -0.5, sliding_window=window)
+        assert torch.equal(alone, out[t:t + 1]), t

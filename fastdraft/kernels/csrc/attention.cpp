@@ -30,7 +30,7 @@ int64_t fastdraft::PagedAttentionPlan::q_offset(int64_t t, int64_t g) const {
 void fastdraft::paged_attention_replan(PagedAttentionPlan& p, const IsaPtr& isa, at::ScalarType dtype, int64_t heads,
                                        const torch::Tensor& k_blocks, const torch::Tensor& v_blocks,
                                        const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
-                                       const torch::Tensor& context_lens, double scale) {
+                                       const torch::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(k_blocks.dim() == 4 && v_blocks.sizes() == k_blocks.sizes() && k_blocks.is_contiguous() &&
                   v_blocks.is_contiguous(), "k/v blocks must be contiguous [num_blocks, kv_heads, block_size, D]");
   TORCH_CHECK(k_blocks.scalar_type() == dtype && v_blocks.scalar_type() == dtype &&
@@ -43,6 +43,7 @@ void fastdraft::paged_attention_replan(PagedAttentionPlan& p, const IsaPtr& isa,
   const int64_t num_blocks = k_blocks.size(0), num_seqs = context_lens.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(d % 16 == 0 && d <= 256, "head_dim must be a multiple of 16 up to 256");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "the window must be a count of keys, or 0 for none");
   TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "query_start_loc must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
@@ -56,6 +57,7 @@ void fastdraft::paged_attention_replan(PagedAttentionPlan& p, const IsaPtr& isa,
   p.k_blocks = k_blocks, p.v_blocks = v_blocks, p.block_tables = block_tables;
   p.query_start_loc = query_start_loc, p.context_lens = context_lens;
   p.scale = static_cast<float>(scale);
+  p.window = window;
   p.num_tokens = num_tokens, p.num_seqs = num_seqs, p.heads = heads, p.kv_heads = kv_heads, p.head_dim = d;
   p.block_size = block_size, p.shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));
   p.token_seq.resize(num_tokens);
@@ -123,24 +125,49 @@ void fastdraft::paged_attention_items(PagedAttentionPlan& p, int64_t i0, int64_t
     const PagedItem& item = p.items[it];
     const int64_t s = item.seq, len = ctx[s], num_new = qsl[s + 1] - qsl[s];
     const int64_t l0 = item.split * kKeysPerSplit, l1 = std::min(len, l0 + kKeysPerSplit);
-    num_keys.resize(item.rows);
-    for (int64_t r = 0; r < item.rows; ++r)
-      num_keys[r] = std::clamp<int64_t>(len - num_new + 1 + (item.row0 + r) / group - l0, 0, l1 - l0);
     const int64_t q_off = p.q_offset(qsl[s], item.kv_head) + item.row0 * d;
     const int64_t head_off = item.kv_head * p.block_size * d;
-    args.qf = p.is_bf16_dot ? nullptr : p.qf.data_ptr<float>() + q_off;
-    args.q_bf16 = p.is_bf16_dot ? reinterpret_cast<const uint16_t*>(p.q_rows.data_ptr<at::BFloat16>()) + q_off : nullptr;
     args.k_base = static_cast<const char*>(p.k_blocks.data_ptr()) + head_off * elem;
     args.v_base = static_cast<const char*>(p.v_blocks.data_ptr()) + head_off * elem;
     args.block_table = p.block_tables.data_ptr<int64_t>() + s * max_blocks;
-    args.rows = item.rows, args.l0 = l0, args.l1 = l1;
-    args.num_keys = num_keys.data();
-    args.max_out = p.pmax.data() + item.partial;
-    args.sum_out = p.psum.data() + item.partial;
-    args.acc_out = p.pacc.data() + item.partial * d;
-    p.isa->table->attend_split(&args);
+    args.l1 = l1;
+    // Rows r0..r0+rows-1 over keys first..l1-1: row r sees keys up to its own position.
+    auto attend = [&](int64_t r0, int64_t rows, int64_t first) {
+      num_keys.resize(rows);
+      for (int64_t r = 0; r < rows; ++r)
+        num_keys[r] = std::clamp<int64_t>(len - num_new + 1 + (item.row0 + r0 + r) / group - first, 0, l1 - first);
+      args.qf = p.is_bf16_dot ? nullptr : p.qf.data_ptr<float>() + q_off + r0 * d;
+      args.q_bf16 = p.is_bf16_dot ? reinterpret_cast<const uint16_t*>(p.q_rows.data_ptr<at::BFloat16>()) + q_off + r0 * d
+                                  : nullptr;
+      args.rows = rows, args.l0 = first;
+      args.num_keys = num_keys.data();
+      args.max_out = p.pmax.data() + item.partial + r0;
+      args.sum_out = p.psum.data() + item.partial + r0;
+      args.acc_out = p.pacc.data() + (item.partial + r0) * d;
+      p.isa->table->attend_split(&args);
+    };
+    if (p.window == 0) {
+      attend(0, item.rows, l0);
+      continue;
+    }
+    // With a window, a token's keys start at its position - window + 1. The tokens (group rows
+    // each, in order) whose window starts at or before the split's first key run together as
+    // without one; a token whose window starts inside the split runs over its own keys, as it
+    // does alone in a decode step; a token whose window starts past the split sees none of it,
+    // and paged_finish does not read its rows.
+    const int64_t first_token = item.row0 / group, num_tokens = item.rows / group;
+    const int64_t position0 = len - num_new + first_token;  // the item's first token's position
+    int64_t whole = 0;
+    while (whole < num_tokens && position0 + whole - p.window + 1 <= l0) ++whole;
+    if (whole > 0) attend(0, whole * group, l0);
+    for (int64_t t = whole; t < num_tokens; ++t) {
+      const int64_t start = position0 + t - p.window + 1;
+      if (start >= l1) break;
+      attend(t * group, group, start);
+    }
   }
 }
+
 namespace {
 
 // Query heads [j0, j1) of tokens [t0, t1) into out [T, heads * D].
@@ -157,17 +184,20 @@ void paged_finish(const fastdraft::PagedAttentionPlan& p, const torch::Tensor& o
     const int64_t s = p.token_seq[t], tl = t - qsl[s], len = ctx[s], num_new = qsl[s + 1] - qsl[s];
     const int64_t splits = (len + kKeysPerSplit - 1) / kKeysPerSplit;
     const int64_t row_splits = (len - num_new + 1 + tl + kKeysPerSplit - 1) / kKeysPerSplit;
+    // The splits before the one holding the token's first key (its window's start) add nothing.
+    const int64_t first_split =
+        p.window == 0 ? 0 : std::max<int64_t>(0, len - num_new + tl - p.window + 1) / kKeysPerSplit;
     maxes.resize(row_splits), sums.resize(row_splits), accs.resize(row_splits);
     for (int64_t h = j0; h < j1; ++h) {
       const int64_t g = h / group, r = tl * group + h % group;
       const fastdraft::PagedItem* first = p.items.data() + p.seq_item[s] + g * splits;
-      for (int64_t sp = 0; sp < row_splits; ++sp) {
+      for (int64_t sp = first_split; sp < row_splits; ++sp) {
         const int64_t row = first[sp].partial + r - first[sp].row0;
-        maxes[sp] = p.pmax[row];
-        sums[sp] = p.psum[row];
-        accs[sp] = p.pacc.data() + row * d;
+        maxes[sp - first_split] = p.pmax[row];
+        sums[sp - first_split] = p.psum[row];
+        accs[sp - first_split] = p.pacc.data() + row * d;
       }
-      merge(row_splits, maxes.data(), sums.data(), accs.data(), d, type,
+      merge(row_splits - first_split, maxes.data(), sums.data(), accs.data(), d, type,
             static_cast<char*>(out.data_ptr()) + (t * p.heads + h) * d * out.element_size());
     }
   }
@@ -194,12 +224,12 @@ void fastdraft::paged_attention_finish_heads(const PagedAttentionPlan& p, const 
 // (exact products, scaled in fp32) and P V (probabilities rounded to bf16), as flash attention
 // does; the softmax itself is fp32.
 torch::Tensor paged_attention(const fastdraft::IsaPtr& isa, torch::Tensor q, torch::Tensor k_blocks, torch::Tensor v_blocks, torch::Tensor block_tables,
-                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale) {
+                              torch::Tensor query_start_loc, torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_blocks.scalar_type(), "q must be [T, H, D] in the blocks' dtype");
   const auto qc = q.contiguous();
   fastdraft::PagedAttentionPlan p;
   fastdraft::paged_attention_replan(p, isa, qc.scalar_type(), qc.size(1), k_blocks, v_blocks, block_tables,
-                                    query_start_loc, context_lens, scale);
+                                    query_start_loc, context_lens, scale, window);
   TORCH_CHECK(qc.size(0) == p.num_tokens && qc.size(2) == p.head_dim, "q must be [T, H, D] for the metadata's T");
   const int64_t group_d = p.heads / p.kv_heads * p.head_dim;
   at::parallel_for(0, p.num_tokens, 16, [&](int64_t t0, int64_t t1) {

@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("paged_attention", &paged_attention, "attention of a flat batch of sequences over a paged KV pool",
         py::arg("isa"), py::arg("q"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("block_tables"),
-        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"));
+        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("rotary", &rotary, "rotary embedding (rotate-half convention) of [T, heads * head_dim] rows", py::arg("isa"),
         py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("head_dim"));
   m.def("dense_bf16_applies", [](const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor w,

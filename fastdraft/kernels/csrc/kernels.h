@@ -126,6 +126,7 @@ struct PagedAttentionPlan {
   torch::Tensor q_rows;  // [T * heads * D] in q's dtype: each (sequence, kv head)'s rows, token-major
   torch::Tensor qf;      // the same, fp32 and scaled, where bf16 dot products do not apply
   float scale = 1.0f;
+  int64_t window = 0;  // a token sees only its last `window` keys (its own included); 0: all of them
   bool is_bf16_dot = false;
   int64_t num_tokens = 0, num_seqs = 0, heads = 0, kv_heads = 0, head_dim = 0, block_size = 0, shift = 0;
   std::vector<int64_t> token_seq, seq_item;  // each token's sequence; each sequence's first item
@@ -138,7 +139,8 @@ struct PagedAttentionPlan {
 // Checks the inputs and lays out the items; q_rows is (re)sized for dtype.
 void paged_attention_replan(PagedAttentionPlan& p, const IsaPtr& isa, at::ScalarType dtype, int64_t heads, const torch::Tensor& k_blocks,
                             const torch::Tensor& v_blocks, const torch::Tensor& block_tables,
-                            const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale);
+                            const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale,
+                            int64_t window = 0);
 // Once kv heads [g0, g1)'s q rows are in q_rows: their fp32 scaled copy (fp32 path only).
 void paged_attention_scale_q(PagedAttentionPlan& p, int64_t g0, int64_t g1);
 void paged_attention_items(PagedAttentionPlan& p, int64_t i0, int64_t i1);  // any thread
@@ -161,7 +163,7 @@ torch::Tensor rotary(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tenso
 // attention.cpp
 torch::Tensor paged_attention(const fastdraft::IsaPtr& isa, torch::Tensor q, torch::Tensor k_blocks,
                               torch::Tensor v_blocks, torch::Tensor block_tables, torch::Tensor query_start_loc,
-                              torch::Tensor context_lens, double scale);
+                              torch::Tensor context_lens, double scale, int64_t window);
 // woq.cpp
 torch::Tensor woq_linear(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                          torch::Tensor zeros, int64_t bits, int64_t n, int64_t k_pad, int64_t block, int64_t group,

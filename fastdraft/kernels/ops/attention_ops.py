@@ -214,13 +214,15 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     Sequence ``i``'s new tokens are the last of its ``meta.context_lens[i]`` keys, which lie in
     the blocks of ``meta.block_tables[i]``; each token sees the keys up to its own (the last
     ``sliding_window`` of them with a window). On a CPU with fastdraft's kernels one C++ call
-    reads every sequence's keys straight from its blocks, split over fixed 256-key chunks
-    whatever the thread count, so a row's result does not depend on the rest of the batch; on
-    a GPU one Triton launch does the same; elsewhere, :func:`reference_paged_attention`."""
+    (which takes a window, not a soft-cap) reads every sequence's keys straight from its
+    blocks, split over fixed 256-key chunks whatever the thread count, so a row's result does
+    not depend on the rest of the batch; on a GPU one Triton launch does the same (no window
+    or soft-cap); elsewhere, :func:`reference_paged_attention`."""
     is_plain = sliding_window is None and logit_softcap is None
-    if is_plain and paged_attention_kernel_applies(q, k_blocks):
+    if logit_softcap is None and paged_attention_kernel_applies(q, k_blocks):
         return load_cpu_kernels().paged_attention(q, k_blocks, v_blocks, meta.block_tables.contiguous(),
-                                                  meta.query_start_loc_tensor, meta.context_lens_tensor, scale)
+                                                  meta.query_start_loc_tensor, meta.context_lens_tensor, scale,
+                                                  sliding_window or 0)
     if is_plain and triton_attention.applies(q, k_blocks):
         device_meta = meta.int32_tensors()
         return triton_attention.triton_paged_attention(q, k_blocks, v_blocks, device_meta.block_tables,
