@@ -146,6 +146,10 @@ def test_fused_ops_match_their_twins(dtype):
     x, w = torch.randn(5, 200).to(dtype), torch.randn(200).to(dtype)
     assert torch.allclose(norm_ops.rms_norm(x, w, 1e-6).float(), norm_ops.reference_rms_norm(x, w, 1e-6).float(),
                           rtol=1e-5, atol=1e-5)
+    # Gemma's offset norm: fp32 throughout, one rounding, as the reference (the sums' order aside).
+    offset, reference = norm_ops.rms_norm(x, w, 1e-6, True), norm_ops.reference_rms_norm(x, w, 1e-6, True)
+    assert offset.dtype == dtype
+    assert torch.allclose(offset.float(), reference.float(), rtol=2**-8 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     gate_up = (torch.randn(3, 2 * 70) * 5).to(dtype)
     assert torch.allclose(activation_ops.silu_and_mul(gate_up).float(), activation_ops.reference_silu_and_mul(gate_up).float(),
                           rtol=1e-5 + tol, atol=1e-5)

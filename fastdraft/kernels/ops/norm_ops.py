@@ -25,9 +25,17 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_off
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_offset: bool = False) -> torch.Tensor:
     """RMSNorm of x [..., hidden] by ``weight`` [hidden]: the C++ kernel on a CPU, Triton on a
-    GPU, the reference elsewhere and for the offset kind, which neither kernel implements."""
-    if is_offset or not weight.is_contiguous():
-        return reference_rms_norm(x, weight, eps, is_offset)
+    GPU, the reference elsewhere. The offset kind runs the C++ kernel in fp32 (the row and
+    ``1 + weight`` made fp32 first, so nothing is rounded before the end, as Gemma computes it);
+    it has no Triton kernel."""
+    if is_offset:
+        ext = cpu_extension_for(x, weight)
+        if ext is None or x.numel() == 0:
+            return reference_rms_norm(x, weight, eps, is_offset)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # [num_rows, hidden] in fp32
+        return ext.rms_norm(rows, 1.0 + weight.float(), eps).view(x.shape).to(x.dtype)
+    if not weight.is_contiguous():
+        return reference_rms_norm(x, weight, eps)
     if x.is_cuda and triton_ops.is_available() and x.dtype == weight.dtype:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         return triton_ops.triton_rms_norm(rows, weight, eps).view(x.shape)
