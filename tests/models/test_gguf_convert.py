@@ -132,14 +132,14 @@ def test_not_a_gguf_file_raises(tmp_path):
 def test_unsupported_architecture_raises(tmp_path):
     import gguf
 
-    path = tmp_path / "gemma.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    path = tmp_path / "phi3.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match="unsupported GGUF architecture 'gemma3'"):
+    with pytest.raises(GGUFError, match="unsupported GGUF architecture 'phi3'"):
         convert_gguf_to_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
