@@ -67,10 +67,11 @@ def test_transformers5_config_file_round_trip(tmp_path):
 
 
 def test_unknown_keys_kept_in_extra():
-    c = ModelConfig.from_dict(dict(BASE, sliding_window=4096, use_cache=True))
-    assert c.extra == {"sliding_window": 4096, "use_cache": True}
+    c = ModelConfig.from_dict(dict(BASE, pretraining_tp=1, use_cache=True))
+    assert c.extra == {"pretraining_tp": 1, "use_cache": True}
     d = c.to_hf_dict()
-    assert d["sliding_window"] == 4096 and d["architectures"] == ["LlamaForCausalLM"]
+    assert d["pretraining_tp"] == 1 and d["architectures"] == ["LlamaForCausalLM"]
+    assert "sliding_window" not in d  # an architecture's optional field, unset, is left out
 
 
 @pytest.mark.parametrize("overrides,match", [

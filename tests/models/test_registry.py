@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fastdraft.model_config import ModelConfig
+from fastdraft.models.plan import decoder_plan
 from fastdraft.models import registry
 from fastdraft.models.registry import (
     KNOWN_MODELS,
@@ -168,19 +169,19 @@ def test_every_known_model_has_a_shape():
         assert min(arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
                    arch.head_dim, arch.intermediate_size, arch.vocab_size) > 0, name
         assert arch.num_attention_heads % arch.num_key_value_heads == 0, name
-        if arch.model_type in ("llama", "qwen2"):
-            config = arch.model_config()
-            assert (config.hidden_size, config.vocab_size, config.head_dim) == (arch.hidden_size, arch.vocab_size,
-                                                                                 arch.head_dim)
-        else:
-            with pytest.raises(ValueError, match="unsupported model_type"):
-                arch.model_config()
+        config = arch.model_config()
+        assert (config.hidden_size, config.vocab_size, config.head_dim) == (arch.hidden_size, arch.vocab_size,
+                                                                             arch.head_dim)
+        assert len(decoder_plan(config).layers) == arch.num_hidden_layers, name
 
 
 @pytest.mark.real_model
 def test_the_shape_matches_the_pulled_models_config(real_model_dir):
     config = ModelConfig.from_file(real_model_dir / "config.json")
     arch = KNOWN_MODELS[real_model_dir.name].architecture
-    for name in arch.__dataclass_fields__:
+    fields = [name for name in arch.__dataclass_fields__ if name != "extra_fields"] + [
+        name for name, _ in arch.extra_fields]
+    for name in fields:
         expected = getattr(config, name)
-        assert getattr(arch, name) == (pytest.approx(expected) if isinstance(expected, float) else expected), name
+        value = getattr(arch, name) if name in arch.__dataclass_fields__ else dict(arch.extra_fields)[name]
+        assert value == (pytest.approx(expected) if isinstance(expected, float) else expected), name
