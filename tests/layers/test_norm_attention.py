@@ -45,6 +45,24 @@ def _naive(q, k, v, positions, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def _paged_batch(seqs, block_size, num_kv_heads, head_dim, num_heads, seed=2):
+    """A flat batch of ``seqs`` [(new tokens, context length)] over a random pool, every slot
+    random (the unused ones and those past each context too: keys to be masked), blocks handed
+    out in reverse so no sequence's are in pool order: (q, k_blocks, v_blocks, meta, spans)."""
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-length // block_size) for _, length in seqs) + 1
+    free = list(range(num_blocks))
+    spans = []
+    for num_new, length in seqs:
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        spans.append(Span([0] * num_new, length - num_new, table))
+    _, meta = flat_batch(spans, block_size, "cpu")
+    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim) * 2
+    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
+    q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2
+    return q, k_blocks, v_blocks, meta, spans
+
+
 # Sequences of a flat batch as (new tokens, context length).
 CASES = {
     "prefill": [(6, 6)],
@@ -62,21 +80,9 @@ CASES = {
 def test_paged_attention_matches_naive(num_heads, num_kv_heads, case, head_dim, block_size):
     # head_dim 8 and block size 6 are outside the C++ kernel's shapes: PyTorch's path runs;
     # head_dim 16 in blocks of 4 runs the C++ kernel where the CPU kernels are built.
-    torch.manual_seed(1)
     scale = head_dim ** -0.5
     seqs = CASES[case]
-    # Blocks handed out in reverse, so no sequence's blocks are in pool order.
-    num_blocks = sum(-(-length // block_size) for _, length in seqs) + 1
-    free = list(range(num_blocks))
-    spans = []
-    for num_new, length in seqs:
-        table = [free.pop() for _ in range(-(-length // block_size))]
-        spans.append(Span([0] * num_new, length - num_new, table))
-    _, meta = flat_batch(spans, block_size, "cpu")
-    # Every slot random, the unused ones and those past each context too: keys to be masked.
-    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim) * 2
-    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
-    q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2  # [num_tokens, heads, dim]
+    q, k_blocks, v_blocks, meta, spans = _paged_batch(seqs, block_size, num_kv_heads, head_dim, num_heads, seed=1)
     out = paged_attention(q, k_blocks, v_blocks, meta, scale)
     assert out.shape == q.shape
     is_kernel = head_dim == 16 and block_size == 4 and load_cpu_kernels() is not None
@@ -90,23 +96,6 @@ def test_paged_attention_matches_naive(num_heads, num_kv_heads, case, head_dim, 
         expected = _naive(q[rows].transpose(0, 1), k, v, meta.positions[rows], scale)  # [heads, num_new, dim]
         torch.testing.assert_close(out[rows], expected.transpose(0, 1), atol=1e-5, rtol=1e-5,
                                    msg=f"sequence {i}")
-
-
-def _windowed_batch(seqs, block_size, num_kv_heads, head_dim, num_heads, seed=2):
-    """A flat batch of ``seqs`` [(new tokens, context length)] over a random pool: (q, k_blocks,
-    v_blocks, meta, spans)."""
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-length // block_size) for _, length in seqs) + 1
-    free = list(range(num_blocks))
-    spans = []
-    for num_new, length in seqs:
-        table = [free.pop() for _ in range(-(-length // block_size))]
-        spans.append(Span([0] * num_new, length - num_new, table))
-    _, meta = flat_batch(spans, block_size, "cpu")
-    k_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim) * 2
-    v_blocks = torch.randn(num_blocks, num_kv_heads, block_size, head_dim)
-    q = torch.randn(meta.num_tokens, num_heads, head_dim) * 2
-    return q, k_blocks, v_blocks, meta, spans
 
 
 # (window, sequences): windows starting inside, before and past the 256-key splits of the C++
@@ -124,7 +113,7 @@ WINDOWED = {
 def test_windowed_paged_attention_matches_naive(case, dtype):
     window, seqs = WINDOWED[case]
     num_heads, num_kv_heads, head_dim, scale = 4, 2, 32, 32 ** -0.5
-    q, k_blocks, v_blocks, meta, spans = _windowed_batch(seqs, 16, num_kv_heads, head_dim, num_heads)
+    q, k_blocks, v_blocks, meta, spans = _paged_batch(seqs, 16, num_kv_heads, head_dim, num_heads)
     q, k_blocks, v_blocks = q.to(dtype), k_blocks.to(dtype), v_blocks.to(dtype)
     out = paged_attention(q, k_blocks, v_blocks, meta, scale, sliding_window=window)
     for i, (num_new, length) in enumerate(seqs):
@@ -149,7 +138,7 @@ def test_a_windowed_token_attends_alike_alone_and_among_others(window):
     # Verification (several tokens of a sequence in one call, beside another sequence) gives
     # each token the bits a one-token decode step gives it.
     together = [(4, 530), (2, 90)]
-    q, k_blocks, v_blocks, meta, spans = _windowed_batch(together, 16, 2, 32, 4)
+    q, k_blocks, v_blocks, meta, spans = _paged_batch(together, 16, 2, 32, 4)
     q, k_blocks, v_blocks = q.bfloat16(), k_blocks.bfloat16(), v_blocks.bfloat16()
     out = paged_attention(q, k_blocks, v_blocks, meta, 32 ** -0.5, sliding_window=window)
     for t in range(4):  # token t of the first sequence, alone over the same cache
