@@ -161,3 +161,16 @@ def test_from_config_sizing():
     # An explicit head_dim (not hidden // heads) is honoured.
     config.head_dim = 32
     assert SequenceCache.from_config(config, 8, dtype=torch.float32).kv_cache.k.shape == (3, 1, 2, 16, 32)
+
+
+def test_a_pool_is_resident_only_where_written():
+    # The server's default pool (a quarter of the memory) must not show up in RSS unused.
+    def rss_mib() -> float:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
+
+    before = rss_mib()
+    cache = PagedKVCache(8, 4096, 2, 16, 64, dtype=torch.bfloat16)  # k and v: 128 MiB each
+    assert cache.k.numel() * 2 * 2 == 256 << 20
+    assert rss_mib() - before < 32
+    cache.k[:, :64].fill_(1.0)  # 64 of 4096 blocks in each layer
+    assert rss_mib() - before < 64
