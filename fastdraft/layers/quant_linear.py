@@ -109,9 +109,10 @@ def exact_min_rows(model: nn.Module) -> int:
 
 class QuantEmbedding(nn.Module):
     """A quantized embedding table (any :class:`QuantizedWeight` format: INT8 per row, a GGUF
-    file's blocks): only the looked-up rows are dequantized."""
+    file's blocks): only the looked-up rows are dequantized, to fp32; the model rounds them to
+    its activations' dtype."""
 
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, qw: QuantizedWeight) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = qw.out_features, qw.in_features
         self.bits, self.group_size = qw.bits, qw.group_size
@@ -119,20 +120,16 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", qw.scales)  # [vocab, num_groups]
         if qw.zeros is not None:
             self.register_buffer("qzeros", qw.zeros)
-        self.dtype = dtype
 
     @classmethod
-    def empty(cls, num_embeddings: int, dim: int, dtype: torch.dtype, fmt: WeightFormat | None = None,
+    def empty(cls, num_embeddings: int, dim: int, fmt: WeightFormat,
               device: torch.device | str = "meta") -> "QuantEmbedding":
-        """A placeholder with the right tensor shapes (INT8 per row unless ``fmt``), to be filled
-        by ``load_state_dict``."""
-        fmt = fmt or WeightFormat(8, dim, True)
-        shapes = QuantLinear.empty(dim, num_embeddings, fmt, False, device).quantized_weight
-        return cls(shapes, dtype)
+        """A placeholder with the right tensor shapes for ``fmt``, to be filled by ``load_state_dict``."""
+        return cls(QuantLinear.empty(dim, num_embeddings, fmt, False, device).quantized_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         zeros = getattr(self, "qzeros", None)
         rows = QuantizedWeight(F.embedding(input_ids, self.qweight), F.embedding(input_ids, self.scales),
                                None if zeros is None else F.embedding(input_ids, zeros),
                                self.bits, self.group_size, self.embedding_dim)
-        return dequantize(rows, torch.float32).to(self.dtype)  # [num_tokens, hidden_size]
+        return dequantize(rows, torch.float32)  # [num_tokens, hidden_size]

@@ -159,7 +159,7 @@ class DecoderModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> [num_tokens, hidden_size], scaled as the plan says (in the
         activations' dtype, as HF's Gemma scales)."""
-        # A quantized table may dequantize to another dtype than the activations'.
+        # A quantized table dequantizes to fp32: rounded to the activations' dtype here.
         hidden_states = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         if self.plan.embedding_scale is not None:
             hidden_states = hidden_states * torch.tensor(self.plan.embedding_scale, dtype=hidden_states.dtype)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fastdraft.model_config import ModelConfig
+from fastdraft.models.plan import GEMMA3_LOCAL_ROPE_BASE
 from fastdraft.fileio import atomic_dir
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,6 @@ _ARCHS = {
     "qwen2": ("qwen2", _LAYER_TENSORS),
     "gemma3": ("gemma3_text", _GEMMA3_LAYER_TENSORS),
 }
-# What llama.cpp assumes where a Gemma 3 GGUF file is silent (its converter drops these).
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 # Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (the same regexes the
 # original HF tokenizer.json files use).
@@ -103,7 +102,7 @@ def _read_config(reader: Any) -> ModelConfig:
     if arch == "gemma3":  # the layer pattern follows from the plan's default (every sixth global)
         gemma = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
                      sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
-                     rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE)
+                     rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE)  # llama.cpp's, the file being silent
     return ModelConfig(
         model_type=_ARCHS[arch][0],
         vocab_size=int(embed.shape[1]) if tokens is None else max(len(tokens), int(embed.shape[1])),

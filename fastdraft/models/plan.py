@@ -170,8 +170,10 @@ def llama_plan(config: ModelConfig) -> DecoderPlan:
                        NormSpec("norm", config.rms_norm_eps), is_head_tied=config.tie_word_embeddings)
 
 
-# The pattern Gemma 3 configs without ``layer_types`` follow: every sixth layer is global.
+# What Gemma 3 takes where its config is silent (as transformers and llama.cpp do): every sixth
+# layer global, the local layers' rotary base.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def gemma3_plan(config: ModelConfig) -> DecoderPlan:
@@ -184,7 +186,7 @@ def gemma3_plan(config: ModelConfig) -> DecoderPlan:
         for i in range(config.num_hidden_layers)]
     scale = (config.query_pre_attn_scalar or dim) ** -0.5
     rotaries = {"full_attention": RotarySpec(config.rope_theta, dim, _frozen(config.rope_scaling or {})),
-                "sliding_attention": RotarySpec(config.rope_local_base_freq or 10000.0, dim)}
+                "sliding_attention": RotarySpec(config.rope_local_base_freq or GEMMA3_LOCAL_ROPE_BASE, dim)}
     mlp = MlpSpec(config.intermediate_size, ACTIVATIONS[config.hidden_act])
 
     def norm(name: str) -> NormSpec:

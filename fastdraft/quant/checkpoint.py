@@ -60,8 +60,7 @@ def apply_quant_structure(model: CausalLM, config: QuantConfig) -> None:
     embed_format = config.embedding_format()
     if embed_format is not None:
         embed = model.model.embed_tokens
-        model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim,
-                                                        embed.weight.dtype, embed_format)
+        model.model.embed_tokens = QuantEmbedding.empty(embed.num_embeddings, embed.embedding_dim, embed_format)
 
 
 def build_quantized_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -318,7 +318,7 @@ def apply_gguf_native(model: CausalLM, gguf_path: str | Path) -> QuantConfig:
     # copy would be the largest tensor in memory.
     embedding, _ = native_weight(tensors["token_embd.weight"])
     if embedding is not None:
-        model.model.embed_tokens = QuantEmbedding(embedding, model.dtype)
+        model.model.embed_tokens = QuantEmbedding(embedding)
         formats["embed_tokens"] = weight_format(embedding)
     # A tied head reads the embedding's blocks, as llama.cpp does.
     head = take("output.weight" if "output.weight" in tensors else "token_embd.weight", model.lm_head)

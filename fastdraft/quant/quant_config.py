@@ -202,7 +202,7 @@ class QuantConfig:
     def embedding_format(self) -> WeightFormat | None:
         """The token embedding's format, or None to keep it unquantized."""
         if self.is_gguf_native:
-            return dict(self.tensor_formats).get("embed_tokens") and self._tensor_format("embed_tokens")
+            return self._tensor_format("embed_tokens")
         return WeightFormat(8, PER_CHANNEL, True) if self.embed_bits == 8 else None
 
     def head_format(self) -> WeightFormat | None:

@@ -171,4 +171,4 @@ def _quantize_head_and_embeddings(model: CausalLM, config: QuantConfig) -> None:
         model.lm_head = quant_linear(head, quantize(head.weight, *head_format))
     if config.embed_bits == 8:
         embed = model.model.embed_tokens
-        model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True), embed.weight.dtype)
+        model.model.embed_tokens = QuantEmbedding(quantize(embed.weight, 8, PER_CHANNEL, sym=True))

@@ -74,11 +74,15 @@ class PassCost:
 FREE = PassCost([(1, 0.0)])  # a proposer without a model: a dictionary lookup
 
 
+def timed_sizes(max_size: int) -> list[int]:
+    """The pass sizes :func:`measure_pass_cost` times: 1, 4, 16 and 64 where below ``max_size``,
+    and ``max_size`` itself."""
+    return sorted({size for size in (1, 4, 16, 64) if size < max_size} | {max(max_size, 1)})
+
+
 def measure_pass_cost(time_pass: Callable[[int], float], max_size: int) -> PassCost:
-    """A :class:`PassCost` through ``time_pass(size)`` at sizes 1, 4, 16 and 64 that are at
-    most ``max_size``, and ``max_size`` itself."""
-    sizes = sorted({size for size in (1, 4, 16, 64) if size < max_size} | {max(max_size, 1)})
-    return PassCost([(size, time_pass(size)) for size in sizes])
+    """A :class:`PassCost` through ``time_pass(size)`` at each of :func:`timed_sizes`."""
+    return PassCost([(size, time_pass(size)) for size in timed_sizes(max_size)])
 
 
 class _Rate:

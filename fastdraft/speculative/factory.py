@@ -24,7 +24,7 @@ from fastdraft.models.files import LoadedModel, build_model, load_state_dict
 from fastdraft.quant.quant_config import QuantConfig
 from fastdraft.quant.quantizer import quantize_model
 from fastdraft.speculative.speculative_config import NGRAM, SELF, SpeculativeConfig
-from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost, measure_pass_cost
+from fastdraft.speculative.draft_length import FREE, DraftLengthPolicy, PassCost, measure_pass_cost, timed_sizes
 from fastdraft.speculative.draft_vocab import frequent_token_ids, restrict_lm_head
 from fastdraft.speculative.proposer import DraftModelProposer, NgramProposer
 
@@ -80,14 +80,14 @@ def pass_cost(runner: ModelRunner, max_size: int, use_graphs: bool = False) -> P
     quant_config = getattr(model, "quant_config", None)
     device = model.device
     kernels = load_cpu_kernels() if device.type == "cpu" else None
-    sizes = [size for size in (1, 4, 16, 64, max_size) if size <= max_size]
     key = json.dumps({
         "config": model.config.to_hf_dict(), "dtype": str(model.dtype),
         "weights": None if quant_config is None else quant_config.to_dict(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "kernels": None if kernels is None else kernels.name, "threads": torch.get_num_threads(),
         "executor": type(runner.decoder).__name__, "block_size": runner.block_manager.block_size,
-        "contexts": [_timing_context(runner, size) for size in sizes], "use_graphs": use_graphs,
+        "contexts": {size: _timing_context(runner, size) for size in timed_sizes(max_size)},
+        "use_graphs": use_graphs,
     }, sort_keys=True, default=str)
     path = fastdraft_home() / "pass_costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     try:
