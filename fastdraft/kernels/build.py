@@ -264,7 +264,7 @@ class CpuKernels:
 
     # Driver functions whose first argument is the variant (``isa`` in their bindings).
     _ISA_OPS = frozenset({
-        "rms_norm", "silu_and_mul", "rotary", "paged_attention", "dense_bf16_applies", "dense_bf16_supports",
+        "rms_norm", "rms_norm_offset", "silu_and_mul", "gelu_tanh_and_mul", "rotary", "paged_attention", "dense_bf16_applies", "dense_bf16_supports",
         "dense_bf16_linear", "woq_linear", "woq_block_sums", "woq_dequantize", "dense_linear", "woq_linear_op",
         "PagedDecoder", "argmax_rows", "sample_rows", "rejection_sample",
     })

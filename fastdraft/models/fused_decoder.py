@@ -23,15 +23,34 @@ from fastdraft.kernels.ops.attention_ops import is_paged_block_size
 from fastdraft.layers.kv_cache import PagedAttentionMetadata, PagedKVCache
 from fastdraft.layers.linear import PROJECTION_GROUPS, cpu_linear_op, cpu_projections_op
 from fastdraft.layers.quant_linear import QuantLinear
-from fastdraft.models.plan import LayerPlan
+from fastdraft.models.plan import LayerPlan, NormSpec
 
-def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int):
-    """The C++ layer of ``plan`` (pre-norms, q/k/v, o, gate/up, down) over ``layer``'s weights."""
+
+def _norm_weight(ext, spec: NormSpec | None, owner: nn.Module, dtype: torch.dtype):
+    """``spec``'s norm in ``owner`` as the C++ step takes it (None: no norm; False: it cannot
+    take it): its weight in the activations' dtype, or the offset kind's fp32 ``1 + weight``."""
+    if spec is None:
+        return None
+    norm = getattr(owner, spec.name)  # its eps, as the module path runs it
+    weight = norm.weight.detach()
+    if spec.is_offset:
+        return ext.NormWeight((1.0 + weight.float()).contiguous(), True, norm.eps)
+    if weight.dtype != dtype or not weight.is_contiguous():
+        return False
+    return ext.NormWeight(weight, False, norm.eps)
+
+
+def _layer_op(ext, plan: LayerPlan, layer: nn.Module, rotary_index: int, dtype: torch.dtype, device: torch.device,
+              min_rows: int):
+    """The C++ layer of ``plan`` (its norms, q/k/v, o, gate/up, down, window and rotary) over
+    ``layer``'s weights, or None where the C++ side cannot take them."""
     attn = plan.attention
-    if attn.head_dim % 16 or attn.head_dim > 256:
-        return None  # outside the paged attention kernel's shapes
-    norms = [getattr(layer, n.name).weight.detach() for n in (plan.pre_attention_norm, plan.pre_mlp_norm)]
-    if any(n.dtype != dtype for n in norms):
+    if attn.head_dim % 16 or attn.head_dim > 256 or not plan.mlp.is_gated:
+        return None  # outside the paged attention kernel's shapes, or an MLP it does not run
+    norms = [_norm_weight(ext, spec, layer, dtype) for spec in (plan.pre_attention_norm, plan.pre_mlp_norm,
+                                                                 plan.post_attention_norm, plan.post_mlp_norm)]
+    norms += [_norm_weight(ext, spec, layer.self_attn, dtype) for spec in (attn.q_norm, attn.k_norm)]
+    if any(n is False for n in norms) or norms[0] is None or norms[1] is None:
         return None
     (attn_owner, qkv), (mlp_owner, gate_up) = PROJECTION_GROUPS
     ops = [cpu_projections_op(ext, layer.get_submodule(attn_owner), qkv, dtype, device, min_rows),
@@ -40,8 +59,8 @@ def _layer_op(ext, plan: LayerPlan, layer: nn.Module, dtype: torch.dtype, device
            cpu_linear_op(ext, layer.mlp.down_proj, dtype, device, min_rows)]
     if any(op is None for op in ops):
         return None
-    return ext.DecoderLayer(*norms, plan.pre_attention_norm.eps, *ops, attn.num_heads, attn.num_kv_heads,
-                            attn.head_dim, attn.scale)
+    return ext.DecoderLayer(*norms, *ops, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                            attn.sliding_window or 0, rotary_index, plan.mlp.activation)
 
 
 class FusedDecoder:
@@ -57,7 +76,8 @@ class FusedDecoder:
 
     NAME = "the C++ step"
     # The plan's features beyond the plain Llama layer that this executor runs (models/plan.py).
-    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap"})
+    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap", "offset_norm", "post_norm", "mixed_norm_eps",
+                            "qk_norm", "sliding_window", "per_layer_rotary", "activation_gelu_tanh"})
 
     def __init__(self, ext, layer_ops: list, decoder: nn.Module, head, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -65,7 +85,7 @@ class FusedDecoder:
         self.layer_ops = layer_ops
         self.dtype, self.device = dtype, device
         self.is_weight_only = ext.decoder_is_weight_only(layer_ops)
-        self.decoder, self.rotary, self.norm, self._head = decoder, decoder.rotary_emb, decoder.norm, head
+        self.decoder, self.norm, self._head = decoder, decoder.norm, head
         self._step = None
         self._step_key: tuple | None = None
         self._is_norm_inside = False  # of the current step
@@ -79,8 +99,9 @@ class FusedDecoder:
         is_norm_inside = _is_fusable_norm(norm, self.dtype)
         key = (is_table and embed.weight.data_ptr(), is_norm_inside and norm.weight.data_ptr(), norm.eps)
         if key != self._step_key:
+            final_norm = _norm_weight(self.ext, self.decoder.plan.final_norm, self.decoder, self.dtype)
             self._step = self.ext.PagedDecoder(self.layer_ops, embed.weight.detach() if is_table else None,
-                                               norm.weight.detach() if is_norm_inside else None, norm.eps,
+                                               final_norm if is_norm_inside else None,
                                                self._head if self.has_head else None)
             self._step_key = key
             self._is_norm_inside = is_norm_inside
@@ -102,7 +123,8 @@ class FusedDecoder:
         if ext is None or dtype not in (torch.float32, torch.bfloat16) or not is_paged_block_size(block_size):
             return None
         decoder = model.model
-        ops = [_layer_op(ext, plan, layer, dtype, device, min_rows)
+        rotaries = list(decoder.rotary_embs)  # a layer's rotary: its index into the step's tables
+        ops = [_layer_op(ext, plan, layer, rotaries.index(plan.attention.rotary), dtype, device, min_rows)
                for plan, layer in zip(decoder.plan.layers, decoder.layers)]
         if any(op is None for op in ops):
             return None
@@ -114,9 +136,11 @@ class FusedDecoder:
              meta: PagedAttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
         step = self._current_step()
         # Rotary tables cover every position of the step: its longest context.
-        cos, sin = self.rotary.tables(max(meta.context_lens), self.dtype, self.device)
+        num_positions = max(meta.context_lens)
+        tables = [emb.tables(num_positions, self.dtype, self.device) for emb in self.decoder.rotary_embs.values()]
         hidden = None if step.has_embedding else self.decoder.embed(input_ids)  # [num_tokens, hidden_size]
-        return step.forward(input_ids, hidden, positions, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping,
+        return step.forward(input_ids, hidden, positions, [cos for cos, _ in tables], [sin for _, sin in tables],
+                            kv_cache.k, kv_cache.v, meta.slot_mapping,
                             meta.block_tables, meta.query_start_loc_tensor, meta.context_lens_tensor, logit_rows,
                             is_batch_invariant())
 
@@ -139,5 +163,6 @@ class FusedDecoder:
 
 
 def _is_fusable_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the final norm can run inside the C++ call (else it runs in Python)."""
-    return norm.weight.dtype == dtype and norm.weight.is_contiguous()
+    """Whether the final norm can run inside the C++ call (else it runs in Python): the offset
+    kind always (its weight goes in as fp32), the other in the activations' dtype."""
+    return norm.is_offset or (norm.weight.dtype == dtype and norm.weight.is_contiguous())

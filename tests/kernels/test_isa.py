@@ -221,6 +221,10 @@ def test_elementwise_kernels_match_scalar(isa, dtype, rel):
     assert _close(simd.rms_norm(x, w, 1e-6), scalar.rms_norm(x, w, 1e-6), rel)
     gate_up = (4 * torch.randn(5, 2 * 200, generator=gen)).to(dtype)
     assert _close(simd.silu_and_mul(gate_up), scalar.silu_and_mul(gate_up), rel)
+    assert _close(simd.gelu_tanh_and_mul(gate_up), scalar.gelu_tanh_and_mul(gate_up), rel)
+    # Gemma's offset norm: the same sums in the same order, so bit for bit.
+    w1 = 1.0 + torch.randn(200, generator=gen)
+    assert torch.equal(simd.rms_norm_offset(x, w1, 1e-6), scalar.rms_norm_offset(x, w1, 1e-6))
     rows = torch.randn(5, 3 * 64, generator=gen).to(dtype)
     cos, sin = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
     assert _close(simd.rotary(rows, cos, sin, 3, 64), scalar.rotary(rows, cos, sin, 3, 64), rel)

@@ -153,6 +153,12 @@ def test_fused_ops_match_their_twins(dtype):
     gate_up = (torch.randn(3, 2 * 70) * 5).to(dtype)
     assert torch.allclose(activation_ops.silu_and_mul(gate_up).float(), activation_ops.reference_silu_and_mul(gate_up).float(),
                           rtol=1e-5 + tol, atol=1e-5)
+    # GELU-tanh through exp (as g sigmoid(2u)), torch through tanh: equal up to the last bits.
+    for scale in (1.0, 6.0):
+        gate_up = (torch.randn(3, 2 * 70) * scale).to(dtype)
+        got = activation_ops.gated_activation(gate_up, "gelu_tanh")
+        want = activation_ops.reference_gated_activation(gate_up, "gelu_tanh")
+        assert torch.allclose(got.float(), want.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     qkv = torch.randn(2, 3, 4 * 32 + 2 * 32).to(dtype)  # a q slice of a fused projection row
     q = qkv[..., :4 * 32].view(2, 3, 4, 32)
     cos, sin = torch.randn(2, 3, 32).to(dtype), torch.randn(2, 3, 32).to(dtype)

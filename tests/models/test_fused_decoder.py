@@ -69,7 +69,7 @@ def _steps(model, is_fused: bool, prompt_len: int, chunks: list[int], decoder=No
 
 @pytest.mark.parametrize("quant", list(QUANTS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "gemma3"])
 def test_fused_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
     model = _model(tiny_models, variant, dtype, quant)
     chunks = [1, 1, 5, 1, 3, MAX_FUSED_TOKENS, 1]
@@ -132,9 +132,11 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
            cpu_linear_op(ext, attn.o_proj, torch.bfloat16, cpu, 1),
            cpu_projections_op(ext, mlp, ("gate_proj", "up_proj"), torch.bfloat16, cpu, 1),
            cpu_linear_op(ext, mlp.down_proj, torch.bfloat16, cpu, 1)]
-    bad = ext.DecoderLayer(torch.ones(3, dtype=torch.bfloat16), layers[0].post_attention_layernorm.weight.detach(),
-                           1e-6, *ops, attn.spec.num_heads, attn.spec.num_kv_heads, attn.spec.head_dim, attn.spec.scale)
-    step = ext.PagedDecoder([bad] + decoder.layer_ops[1:], model.model.embed_tokens.weight.detach(), None, 0.0, None)
+    bad = ext.DecoderLayer(ext.NormWeight(torch.ones(3, dtype=torch.bfloat16), False, 1e-6),
+                           ext.NormWeight(layers[0].post_attention_layernorm.weight.detach(), False, 1e-6),
+                           None, None, None, None, *ops, attn.spec.num_heads, attn.spec.num_kv_heads,
+                           attn.spec.head_dim, attn.spec.scale, 0, 0, "silu")
+    step = ext.PagedDecoder([bad] + decoder.layer_ops[1:], model.model.embed_tokens.weight.detach(), None, None)
     cache = SequenceCache.from_config(model.config, 64, dtype=model.dtype)
     ids, meta = cache.append([1])
     cos, sin = model.model.rotary_emb.tables(1, model.dtype, cpu)
@@ -142,7 +144,7 @@ def test_error_inside_the_parallel_region_is_raised_and_the_region_recovers(tiny
     try:
         torch.set_num_threads(2)  # the other thread must leave the region too, not hang at a barrier
         with pytest.raises(RuntimeError, match="weight"):
-            step.forward(ids, None, meta.positions, cos, sin, cache.kv_cache.k, cache.kv_cache.v, meta.slot_mapping,
+            step.forward(ids, None, meta.positions, [cos], [sin], cache.kv_cache.k, cache.kv_cache.v, meta.slot_mapping,
                          meta.block_tables, meta.query_start_loc_tensor, meta.context_lens_tensor, None, False)
         assert all(torch.equal(got, want) for got, want in zip(_steps(model, True, 7, [1, 3]), expected))
     finally:
@@ -167,7 +169,7 @@ def test_a_decoder_is_a_snapshot_of_the_modules_it_was_built_from(tiny_models):
 @pytest.mark.parametrize("quant", ["dense", "int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-head6",
                                    "int4-embed8"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "gemma3"])
 def test_logits_match_forward_then_compute_logits_bitwise(tiny_models, variant, dtype, quant):
     # A weight-only LM head runs inside the C++ step's region, after the final norm; the logits
     # must equal the module path's, row for row.
@@ -309,7 +311,7 @@ def _paged_steps(model, decoder) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("quant", ["int4-g32-sym", "int4-channel-asym", "int4-mix8", "int4-int8vo"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "gemma3"])
 def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, quant):
     model = _model(tiny_models, variant, dtype, quant)
     with torch.inference_mode():
@@ -321,7 +323,7 @@ def test_paged_fused_decoder_matches_module_path_bitwise(tiny_models, variant, d
 
 @pytest.mark.parametrize("is_invariant", [False, True])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "gemma3"])
 def test_paged_dense_decoder_matches_module_path_bitwise(tiny_models, variant, dtype, is_invariant):
     # Dense layers run one by one (oneDNN's GEMMs need their own threads), in either kernel
     # mode: the mode picks the same dense kernel in C++ as in the module path.
@@ -334,7 +336,7 @@ def test_paged_dense_decoder_matches_module_path_bitwise(tiny_models, variant, d
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "gemma3"])
 def test_paged_logits_with_the_head_inside_match_the_module_path(tiny_models, variant, dtype):
     model = _model(tiny_models, variant, dtype, "int4-head6")  # a weight-only LM head
     with torch.inference_mode():

@@ -8,8 +8,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_isa(m);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim", py::arg("isa"), py::arg("x"), py::arg("weight"),
         py::arg("eps"));
+  m.def("rms_norm_offset", &rms_norm_offset, "Gemma's RMSNorm x̂ (1 + w) over the last dim, w1 = 1 + w in fp32",
+        py::arg("isa"), py::arg("x"), py::arg("w1"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [M, 2N] = [gate | up] tensor", py::arg("isa"),
         py::arg("x"));
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of a [M, 2N] = [gate | up] tensor",
+        py::arg("isa"), py::arg("x"));
   m.def("paged_attention", &paged_attention, "attention of a flat batch of sequences over a paged KV pool",
         py::arg("isa"), py::arg("q"), py::arg("k_blocks"), py::arg("v_blocks"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);

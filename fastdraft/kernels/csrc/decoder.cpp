@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,12 +36,17 @@
 
 namespace {
 
+// One layer of a decoder plan (fastdraft/models/plan.py::LayerPlan): h += post_attention(attn(
+// pre_attention(h))), then h += post_mlp(mlp(pre_mlp(h))); a post norm left undefined is not there.
 struct DecoderLayer {
-  torch::Tensor input_norm, post_attention_norm;  // [hidden]
-  double eps;
+  fastdraft::NormWeight pre_attention_norm, pre_mlp_norm, post_attention_norm, post_mlp_norm;  // [hidden]
+  fastdraft::NormWeight q_norm, k_norm;  // [head_dim], over each head before rotary; may be undefined
   std::shared_ptr<Linear> qkv, o_proj, gate_up, down;  // qkv: [q | k | v], gate_up: [gate | up]
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
+  int64_t window;   // a token sees its last `window` keys; 0: every key
+  int64_t rotary;   // which of the step's rotary tables this layer's positions index
+  fastdraft::Activation activation;
 };
 
 // All layers, every projection weight-only, inside one OpenMP parallel region. Every step is
@@ -67,11 +73,12 @@ struct PagedAttention {
 
   void replan(const DecoderLayer& layer, int i) {
     fastdraft::paged_attention_replan(plan, isa, k_blocks[i].scalar_type(), layer.num_heads, k_blocks[i], v_blocks[i],
-                                      block_tables, query_start_loc, context_lens, layer.scale);
+                                      block_tables, query_start_loc, context_lens, layer.scale, layer.window);
   }
   int64_t num_items() const { return plan.num_items(); }
-  void rope(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t kv0, int64_t kv1) {
-    fastdraft::rope_to_paged_cache_heads(qkv, cos, sin, slot_mapping, plan, kv0, kv1);
+  void rope(const DecoderLayer& layer, const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+            int64_t kv0, int64_t kv1) {
+    fastdraft::rope_to_paged_cache_heads(qkv, cos, sin, slot_mapping, plan, kv0, kv1, layer.q_norm, layer.k_norm);
     fastdraft::paged_attention_scale_q(plan, kv0, kv1);
   }
   void items(int64_t begin, int64_t end) { fastdraft::paged_attention_items(plan, begin, end); }
@@ -87,24 +94,28 @@ torch::Tensor layer_forward_paged(const DecoderLayer& layer, int i, const torch:
                                   const torch::Tensor& sin, PagedAttention& attention, bool is_batch_invariant) {
   const int64_t num_tokens = h.size(0);
   const auto& isa = attention.isa;
-  auto qkv = (*layer.qkv)(rms_norm(isa, h, layer.input_norm, layer.eps), is_batch_invariant).contiguous();
+  auto qkv = (*layer.qkv)(rms_norm_of(isa, h, layer.pre_attention_norm), is_batch_invariant).contiguous();
   attention.replan(layer, i);
-  at::parallel_for(0, layer.num_kv_heads, 1, [&](int64_t g0, int64_t g1) { attention.rope(qkv, cos, sin, g0, g1); });
+  at::parallel_for(0, layer.num_kv_heads, 1,
+                   [&](int64_t g0, int64_t g1) { attention.rope(layer, qkv, cos, sin, g0, g1); });
   at::parallel_for(0, attention.num_items(), 1, [&](int64_t i0, int64_t i1) { attention.items(i0, i1); });
   auto attn = torch::empty({num_tokens, layer.num_heads * layer.head_dim}, h.options());  // [T, q_size]
   at::parallel_for(0, layer.num_heads, 1,
                    [&](int64_t j0, int64_t j1) { attention.finish(attn, j0, j1); });
-  auto hidden = h + (*layer.o_proj)(attn, is_batch_invariant);
-  auto gate_up = (*layer.gate_up)(rms_norm(isa, hidden, layer.post_attention_norm, layer.eps), is_batch_invariant);
-  return hidden + (*layer.down)(silu_and_mul(isa, gate_up), is_batch_invariant);
+  auto out = (*layer.o_proj)(attn, is_batch_invariant);
+  auto hidden = h + (layer.post_attention_norm.defined() ? rms_norm_of(isa, out, layer.post_attention_norm) : out);
+  auto gate_up = (*layer.gate_up)(rms_norm_of(isa, hidden, layer.pre_mlp_norm), is_batch_invariant);
+  out = (*layer.down)(gated_activation(isa, gate_up, layer.activation), is_batch_invariant);
+  return hidden + (layer.post_mlp_norm.defined() ? rms_norm_of(isa, out, layer.post_mlp_norm) : out);
 }
 
 // With final_norm defined, returns the normed hidden states; with a weight-only head too, the
 // head's output for the rows logit_rows [n] names, the head run inside the region like a projection.
+// cos/sin: each rotary table's rows [T, head_dim], indexed by DecoderLayer::rotary.
 torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLayer>>& layers, const torch::Tensor& h,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, PagedAttention& attention,
-                                     const torch::Tensor& final_norm, double eps, const Linear* head,
-                                     const torch::Tensor& logit_rows) {
+                                     const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                                     PagedAttention& attention, const fastdraft::NormWeight& final_norm,
+                                     const Linear* head, const torch::Tensor& logit_rows) {
   const int64_t num_tokens = h.size(0), hidden_size = h.size(1);
   const int num_layers = static_cast<int>(layers.size()), nth = at::get_num_threads();
   const DecoderLayer& first = *layers[0];
@@ -119,6 +130,11 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
   const fastdraft::Isa& isa = *attention.isa;
   // The residual stream alternates between resid (into a layer) and mid (after attention).
   auto resid = h.clone(), mid = torch::empty_like(h), normed = torch::empty_like(h);  // [T, hidden]
+  // A post norm's output (Gemma's), which the residual then adds: each thread writes its columns,
+  // and a barrier later every thread reads whole rows.
+  bool has_post_norms = false;
+  for (const auto& layer : layers) has_post_norms |= layer->post_attention_norm.defined() || layer->post_mlp_norm.defined();
+  auto post_out = has_post_norms ? torch::empty_like(h) : torch::Tensor();
   auto attn_out = torch::empty({num_tokens, num_heads * d}, options);
   auto mlp_act = torch::empty({num_tokens, intermediate}, options);
   Projection qkv, o_proj, gate_up, down;
@@ -164,15 +180,27 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       });
 #pragma omp barrier
     };
+    // What the residual adds after a projection: its output, or its post norm's (this
+    // thread's columns, then a barrier) where the plan has one.
+    auto post_normed = [&](const Projection& proj, const fastdraft::NormWeight& norm) -> const torch::Tensor& {
+      if (!norm.defined()) return proj.out();
+      guarded([&] {
+        const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
+        fastdraft::residual_rms_norm_columns(isa, proj.out(), none, norm, none, post_out, c0, c1);
+      });
+#pragma omp barrier
+      return post_out;
+    };
+    const torch::Tensor* down_added = nullptr;  // the previous layer's MLP output, as the residual adds it
     for (int i = 0; i < num_layers; ++i) {
       const DecoderLayer& layer = *layers[i];
       // The previous layer's residual (its MLP output into resid), input norm, qkv activations.
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, qkv.k_pad(), qkv.unit());
         const bool is_first = i == 0;  // the input itself is the residual stream
-        fastdraft::residual_rms_norm_columns(isa, is_first ? resid : mid, is_first ? none : down.out(), layer.input_norm,
-                                             layer.eps, is_first ? none : resid, normed, std::min(c0, hidden_size),
-                                             std::min(c1, hidden_size));
+        fastdraft::residual_rms_norm_columns(isa, is_first ? resid : mid, is_first ? none : *down_added,
+                                             layer.pre_attention_norm, is_first ? none : resid, normed,
+                                             std::min(c0, hidden_size), std::min(c1, hidden_size));
         qkv.quantize(normed, c0, c1);
         if (tid == 0) {
           attention.replan(layer, i);
@@ -194,7 +222,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           qkv.add_bias(q_size + kv0 * d, q_size + kv1 * d);
           qkv.add_bias(q_size + kv_size + kv0 * d, q_size + kv_size + kv1 * d);
         }
-        attention.rope(qkv.out(), cos, sin, kv0, kv1);
+        attention.rope(layer, qkv.out(), cos[layer.rotary], sin[layer.rotary], kv0, kv1);
         if (tid == 0) down.bind(*layer.down, num_tokens, options, nth);
         o_proj.prefetch_share(tid, kSectionPrefetchBytes);
       });
@@ -215,10 +243,12 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       o_proj.run(tid);
 #pragma omp barrier
       add_bias_before_whole_rows(o_proj);
-      // The attention residual into mid, post-attention norm, gate_up activations.
+      // (A failure inside is seen at the next check, after gate_up's barrier.)
+      const torch::Tensor& attention_added = post_normed(o_proj, layer.post_attention_norm);
+      // The attention residual into mid, pre-MLP norm, gate_up activations.
       guarded([&] {
         const auto [c0, c1] = unit_share(tid, nth, gate_up.k_pad(), gate_up.unit());
-        fastdraft::residual_rms_norm_columns(isa, resid, o_proj.out(), layer.post_attention_norm, layer.eps, mid, normed,
+        fastdraft::residual_rms_norm_columns(isa, resid, attention_added, layer.pre_mlp_norm, mid, normed,
                                              std::min(c0, hidden_size), std::min(c1, hidden_size));
         gate_up.quantize(normed, c0, c1);
         gate_up.prefetch_share(tid, kSectionPrefetchBytes);
@@ -235,7 +265,7 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
           gate_up.add_bias(e0, e1);
           gate_up.add_bias(intermediate + e0, intermediate + e1);
         }
-        fastdraft::silu_and_mul_columns(isa, gate_up.out(), mlp_act, e0, e1);
+        fastdraft::gated_activation_columns(isa, layer.activation, gate_up.out(), mlp_act, e0, e1);
         down.quantize(mlp_act, c0, c1);
         if (tid == 0 && i + 1 < num_layers) o_proj.bind(*layers[i + 1]->o_proj, num_tokens, options, nth);
         down.prefetch_share(tid, kSectionPrefetchBytes);
@@ -245,18 +275,19 @@ torch::Tensor decoder_forward_region(const std::vector<std::shared_ptr<DecoderLa
       down.run(tid);
 #pragma omp barrier
       add_bias_before_whole_rows(down);
+      down_added = &post_normed(down, layer.post_mlp_norm);
     }
     // The last layer's residual, then the final norm and the head's activations.
     guarded([&] {
       if (!final_norm.defined()) {
         const auto [c0, c1] = unit_share(tid, nth, hidden_size, 16);
-        fastdraft::add_columns(isa, mid, down.out(), resid, c0, c1);
+        fastdraft::add_columns(isa, mid, *down_added, resid, c0, c1);
         return;
       }
       if (head) lm_head.prefetch_share(tid, kSectionPrefetchBytes);
       const auto [c0, c1] = head ? unit_share(tid, nth, lm_head.k_pad(), lm_head.unit())
                                  : unit_share(tid, nth, hidden_size, 16);
-      fastdraft::residual_rms_norm_columns(isa, mid, down.out(), final_norm, eps, none, normed,  // resid is not returned
+      fastdraft::residual_rms_norm_columns(isa, mid, *down_added, final_norm, none, normed,  // resid is not returned
                                            std::min(c0, hidden_size), std::min(c1, hidden_size));
       if (head) {
         const int64_t h0 = std::min(c0, hidden_size), h1 = std::min(c1, hidden_size);
@@ -336,11 +367,9 @@ torch::Tensor to_float(const fastdraft::Isa& isa, const torch::Tensor& x) {
 class PagedDecoder {
  public:
   PagedDecoder(fastdraft::IsaPtr isa, std::vector<std::shared_ptr<DecoderLayer>> layers,
-               c10::optional<torch::Tensor> embed, c10::optional<torch::Tensor> final_norm, double eps,
-               std::shared_ptr<Linear> head)
+               c10::optional<torch::Tensor> embed, fastdraft::NormWeight final_norm, std::shared_ptr<Linear> head)
       : isa_(std::move(isa)), layers_(std::move(layers)), is_weight_only_(is_all_weight_only(layers_)),
-        embed_(embed.value_or(torch::Tensor())), final_norm_(final_norm.value_or(torch::Tensor())), eps_(eps),
-        head_(std::move(head)) {
+        embed_(embed.value_or(torch::Tensor())), final_norm_(std::move(final_norm)), head_(std::move(head)) {
     TORCH_CHECK(isa_ && !layers_.empty(), "a decoder needs its kernels and layers");
     attention_.isa = isa_;
     TORCH_CHECK(!embed_.defined() || (embed_.dim() == 2 && embed_.is_contiguous()),
@@ -352,13 +381,14 @@ class PagedDecoder {
   bool has_embedding() const { return embed_.defined(); }
 
   // ids [T] int64 (or hidden [T, hidden] without an embedding table) at positions [T];
-  // cos/sin tables [> max position, head_dim]; k/v_blocks [>= num_layers, num_blocks,
+  // cos/sin tables: one [> max position, head_dim] pair per rotary the layers index; k/v_blocks [>= num_layers, num_blocks,
   // kv_heads, block_size, head_dim]; slot_mapping [T]; block_tables, query_start_loc and
   // context_lens as paged_attention takes them. -> the final norm's output [T, hidden] (the
   // last layer's without a norm), or with logit_rows [n], the head's fp32 logits [n, vocab].
   // is_batch_invariant: dense layers' kernels as fastdraft.kernels.mode.batch_invariant says.
   torch::Tensor forward(const torch::Tensor& ids, const c10::optional<torch::Tensor>& hidden,
-                        const torch::Tensor& positions, const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                        const torch::Tensor& positions, const std::vector<torch::Tensor>& cos_tables,
+                        const std::vector<torch::Tensor>& sin_tables,
                         const torch::Tensor& k_blocks, const torch::Tensor& v_blocks, const torch::Tensor& slot_mapping,
                         const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
                         const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& logit_rows,
@@ -376,10 +406,18 @@ class PagedDecoder {
                   "without an embedding table the step takes hidden states [num_tokens, hidden]");
       h = hidden->contiguous();
     }
-    TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes() &&
-                    cos_table.scalar_type() == h.scalar_type() && sin_table.scalar_type() == h.scalar_type(),
-                "cos/sin tables must be [positions, head_dim] in the activations' dtype");
-    const auto cos = table_rows(cos_table, positions, "position"), sin = table_rows(sin_table, positions, "position");
+    TORCH_CHECK(sin_tables.size() == cos_tables.size(), "one sin table per cos table");
+    std::vector<torch::Tensor> cos, sin;  // each rotary's rows [T, head_dim]
+    for (size_t j = 0; j < cos_tables.size(); ++j) {
+      const auto &cos_table = cos_tables[j], &sin_table = sin_tables[j];
+      TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes() &&
+                      cos_table.scalar_type() == h.scalar_type() && sin_table.scalar_type() == h.scalar_type(),
+                  "cos/sin tables must be [positions, head_dim] in the activations' dtype");
+      cos.push_back(table_rows(cos_table, positions, "position"));
+      sin.push_back(table_rows(sin_table, positions, "position"));
+    }
+    for (const auto& layer : layers_)
+      TORCH_CHECK(layer->rotary >= 0 && layer->rotary < static_cast<int64_t>(cos.size()), "a layer's rotary table is missing");
     bind_pool(k_blocks, v_blocks);
     attention_.slot_mapping = slot_mapping.contiguous();
     attention_.block_tables = block_tables.contiguous();
@@ -388,17 +426,18 @@ class PagedDecoder {
     if (!is_weight_only_) {
       TORCH_CHECK(!logit_rows.has_value(), "the head runs inside the step only with weight-only layers");
       for (size_t i = 0; i < layers_.size(); ++i)
-        h = layer_forward_paged(*layers_[i], static_cast<int>(i), h, cos, sin, attention_, is_batch_invariant);
-      return final_norm_.defined() ? rms_norm(isa_, h, final_norm_, eps_) : h;
+        h = layer_forward_paged(*layers_[i], static_cast<int>(i), h, cos[layers_[i]->rotary], sin[layers_[i]->rotary],
+                                attention_, is_batch_invariant);
+      return final_norm_.defined() ? rms_norm_of(isa_, h, final_norm_) : h;
     }
     if (!logit_rows.has_value())
-      return decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, nullptr, torch::Tensor());
+      return decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, nullptr, torch::Tensor());
     TORCH_CHECK(head_, "this step has no head inside");
     const auto rows = logit_rows->contiguous();
     TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.size(0) >= 1, "logit_rows: [n] int64");
     const int64_t* r = rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < num_tokens, "logit row out of range");
-    return to_float(*isa_, decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, eps_, head_.get(), rows));
+    return to_float(*isa_, decoder_forward_region(layers_, h, cos, sin, attention_, final_norm_, head_.get(), rows));
   }
 
  private:
@@ -427,8 +466,8 @@ class PagedDecoder {
   fastdraft::IsaPtr isa_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
   bool is_weight_only_;
-  torch::Tensor embed_, final_norm_;  // [vocab, hidden], [hidden]; either may be undefined
-  double eps_;
+  torch::Tensor embed_;  // [vocab, hidden]; may be undefined
+  fastdraft::NormWeight final_norm_;  // may be undefined
   std::shared_ptr<Linear> head_;
   torch::Tensor pool_k_, pool_v_;
   const void* pool_k_ptr_ = nullptr;
@@ -453,27 +492,48 @@ void bind_decoder(pybind11::module& m) {
           lin->parts = std::move(parts);
           return lin;
         }, py::arg("parts"));
-  py::class_<DecoderLayer, std::shared_ptr<DecoderLayer>>(m, "DecoderLayer")
-      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attention_norm, double eps,
-                       std::shared_ptr<Linear> qkv, std::shared_ptr<Linear> o_proj, std::shared_ptr<Linear> gate_up,
-                       std::shared_ptr<Linear> down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       double scale) {
-             TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-             return std::make_shared<DecoderLayer>(DecoderLayer{input_norm, post_attention_norm, eps, qkv, o_proj, gate_up,
-                                                                down, num_heads, num_kv_heads, head_dim, scale});
+  py::class_<fastdraft::NormWeight>(m, "NormWeight")
+      .def(py::init([](torch::Tensor weight, bool is_offset, double eps) {
+             TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous(), "a norm's weight must be 1-D and contiguous");
+             TORCH_CHECK(!is_offset || weight.scalar_type() == torch::kFloat, "an offset norm takes fp32 1 + weight");
+             return fastdraft::NormWeight{weight, is_offset, eps};
            }),
-           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("qkv"), py::arg("o_proj"),
+           py::arg("weight"), py::arg("is_offset"), py::arg("eps"));
+  py::class_<DecoderLayer, std::shared_ptr<DecoderLayer>>(m, "DecoderLayer")
+      .def(py::init([](fastdraft::NormWeight pre_attention_norm, fastdraft::NormWeight pre_mlp_norm,
+                       c10::optional<fastdraft::NormWeight> post_attention_norm,
+                       c10::optional<fastdraft::NormWeight> post_mlp_norm, c10::optional<fastdraft::NormWeight> q_norm,
+                       c10::optional<fastdraft::NormWeight> k_norm, std::shared_ptr<Linear> qkv,
+                       std::shared_ptr<Linear> o_proj, std::shared_ptr<Linear> gate_up, std::shared_ptr<Linear> down,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, int64_t window,
+                       int64_t rotary, const std::string& activation) {
+             TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+             TORCH_CHECK(window >= 0 && rotary >= 0, "window and rotary must be >= 0");
+             TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "unknown activation ", activation);
+             const auto act = activation == "silu" ? fastdraft::Activation::kSilu : fastdraft::Activation::kGeluTanh;
+             return std::make_shared<DecoderLayer>(DecoderLayer{
+                 pre_attention_norm, pre_mlp_norm, post_attention_norm.value_or(fastdraft::NormWeight{}),
+                 post_mlp_norm.value_or(fastdraft::NormWeight{}), q_norm.value_or(fastdraft::NormWeight{}),
+                 k_norm.value_or(fastdraft::NormWeight{}), qkv, o_proj, gate_up, down, num_heads, num_kv_heads,
+                 head_dim, scale, window, rotary, act});
+           }),
+           py::arg("pre_attention_norm"), py::arg("pre_mlp_norm"), py::arg("post_attention_norm"),
+           py::arg("post_mlp_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"), py::arg("o_proj"),
            py::arg("gate_up"), py::arg("down"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("scale"));
+           py::arg("scale"), py::arg("window"), py::arg("rotary"), py::arg("activation"));
   m.def("decoder_is_weight_only", &is_all_weight_only, "whether every projection of these layers is weight-only",
         py::arg("layers"));
   py::class_<PagedDecoder, std::shared_ptr<PagedDecoder>>(m, "PagedDecoder")
-      .def(py::init<fastdraft::IsaPtr, std::vector<std::shared_ptr<DecoderLayer>>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, double, std::shared_ptr<Linear>>(),
-           py::arg("isa"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("eps"), py::arg("head"))
+      .def(py::init([](fastdraft::IsaPtr isa, std::vector<std::shared_ptr<DecoderLayer>> layers,
+                       c10::optional<torch::Tensor> embed, c10::optional<fastdraft::NormWeight> final_norm,
+                       std::shared_ptr<Linear> head) {
+             return std::make_shared<PagedDecoder>(std::move(isa), std::move(layers), std::move(embed),
+                                                   final_norm.value_or(fastdraft::NormWeight{}), std::move(head));
+           }),
+           py::arg("isa"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("head"))
       .def_property_readonly("has_embedding", &PagedDecoder::has_embedding)
       .def("forward", &PagedDecoder::forward, "a flat batch over a paged KV pool, token ids to the final norm or logits",
-           py::arg("ids"), py::arg("hidden"), py::arg("positions"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("ids"), py::arg("hidden"), py::arg("positions"), py::arg("cos_tables"), py::arg("sin_tables"),
            py::arg("k_blocks"), py::arg("v_blocks"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("query_start_loc"), py::arg("context_lens"), py::arg("logit_rows"), py::arg("is_batch_invariant"),
            py::call_guard<py::gil_scoped_release>());

@@ -101,6 +101,17 @@ void woq_tiles(const WoqTilesArgs& args, const Activations& a, int64_t t0, int64
 void add_bias(const Isa& isa, const torch::Tensor& x, int64_t col0, const torch::Tensor& bias, int64_t b0 = 0,
               int64_t b1 = -1);
 
+// An RMSNorm's weight and kind: weight [h] in the activations' dtype (Llama's w * x̂), or with
+// is_offset, fp32 1 + w (Gemma's x̂ (1 + w), in fp32 with one rounding). Undefined: no norm.
+struct NormWeight {
+  torch::Tensor weight;
+  bool is_offset = false;
+  double eps = 1e-6;
+  bool defined() const { return weight.defined(); }
+};
+// The MLP's gated activation: act(gate) * up.
+enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1 };
+
 // Column-range versions of the decoder's elementwise ops, so that every thread of the fused
 // decoder's region can run its own share of columns: each gives, on its columns, exactly the
 // values the whole op gives. All tensors are contiguous [M, N] of one dtype (float32/bfloat16).
@@ -109,11 +120,11 @@ void add_columns(const Isa& isa, const torch::Tensor& a, const torch::Tensor& b,
 // out[:, c0:c1] = rms_norm(s)[:, c0:c1] with s = a + b rounded (b undefined: s = a); the sum
 // of squares is taken over whole rows, so any split gives rms_norm(a + b). When sum_out is
 // defined, sum_out[:, c0:c1] = s (the residual stream).
-void residual_rms_norm_columns(const Isa& isa, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& weight,
-                               double eps, const torch::Tensor& sum_out, const torch::Tensor& out, int64_t c0,
-                               int64_t c1);
-// out [M, N] columns [c0, c1) of silu_and_mul(x), x [M, 2N] = [gate | up].
-void silu_and_mul_columns(const Isa& isa, const torch::Tensor& x, const torch::Tensor& out, int64_t c0, int64_t c1);
+void residual_rms_norm_columns(const Isa& isa, const torch::Tensor& a, const torch::Tensor& b, const NormWeight& norm,
+                               const torch::Tensor& sum_out, const torch::Tensor& out, int64_t c0, int64_t c1);
+// out [M, N] columns [c0, c1) of act(gate) * up, x [M, 2N] = [gate | up].
+void gated_activation_columns(const Isa& isa, Activation act, const torch::Tensor& x, const torch::Tensor& out,
+                              int64_t c0, int64_t c1);
 
 // Paged attention (attention.cpp::paged_attention) as plan -> q -> items -> finish, for a
 // flat batch of sequences over one layer's blocks [num_blocks, kv_heads, block_size, D].
@@ -148,16 +159,22 @@ void paged_attention_items(PagedAttentionPlan& p, int64_t i0, int64_t i1);  // a
 void paged_attention_finish_heads(const PagedAttentionPlan& p, const torch::Tensor& out, int64_t j0, int64_t j1);
 // The attention inputs of kv heads [g0, g1) from a flat batch's qkv projection [T, (heads +
 // 2 kv_heads) * d]: q rotated into p.q_rows, k rotated and v into one layer's blocks at each
-// token's slot (slot_mapping [T]). The same rotary arithmetic as rotary().
+// token's slot (slot_mapping [T]). The same rotary arithmetic as rotary(); q_norm and k_norm,
+// where defined, first normalize each head as rms_norm does.
 void rope_to_paged_cache_heads(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0, int64_t g1);
+                               const torch::Tensor& slot_mapping, PagedAttentionPlan& p, int64_t g0, int64_t g1,
+                               const NormWeight& q_norm = {}, const NormWeight& k_norm = {});
 
 }  // namespace fastdraft
 
 // ---- The module's ops and bind_* functions, for bindings.cpp --------------------------------
 // fused.cpp
 torch::Tensor rms_norm(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rms_norm_offset(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor w1, double eps);
+torch::Tensor rms_norm_of(const fastdraft::IsaPtr& isa, const torch::Tensor& x, const fastdraft::NormWeight& norm);
 torch::Tensor silu_and_mul(const fastdraft::IsaPtr& isa, torch::Tensor x);
+torch::Tensor gelu_tanh_and_mul(const fastdraft::IsaPtr& isa, torch::Tensor x);
+torch::Tensor gated_activation(const fastdraft::IsaPtr& isa, const torch::Tensor& x, fastdraft::Activation act);
 torch::Tensor rotary(const fastdraft::IsaPtr& isa, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                      int64_t heads, int64_t head_dim);
 // attention.cpp

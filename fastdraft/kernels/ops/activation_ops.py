@@ -1,6 +1,6 @@
 """Activations of an MLP, gated (``act(gate) * up`` over rows ``[gate | up]``) or not: SiLU
 (Llama, Qwen), with its reference, the C++ kernel (CPU) and the Triton kernel (GPU), and GELU's
-tanh approximation (Gemma), in PyTorch."""
+tanh approximation (Gemma), with its reference and the C++ kernel."""
 
 from __future__ import annotations
 
@@ -30,13 +30,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``name(gate) * up`` of ``x = [gate | up]``, ``name`` one of :data:`ACTIVATIONS`: SiLU on
-    its kernels, the others in PyTorch."""
-    if name == "silu":
-        return silu_and_mul(x)
+def reference_gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return activation(gate, name) * up
+
+
+def gated_activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``name(gate) * up`` of ``x = [gate | up]``, ``name`` one of :data:`ACTIVATIONS`: SiLU on
+    its kernels; GELU-tanh on the C++ kernel on a CPU (the C++ step's, so the two paths agree
+    bit for bit) and in PyTorch elsewhere."""
+    if name == "silu":
+        return silu_and_mul(x)
+    ext = cpu_extension_for(x) if name == "gelu_tanh" else None
+    if ext is None:
+        return reference_gated_activation(x, name)
+    out = ext.gelu_tanh_and_mul(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -25,15 +25,14 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_off
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_offset: bool = False) -> torch.Tensor:
     """RMSNorm of x [..., hidden] by ``weight`` [hidden]: the C++ kernel on a CPU, Triton on a
-    GPU, the reference elsewhere. The offset kind runs the C++ kernel in fp32 (the row and
-    ``1 + weight`` made fp32 first, so nothing is rounded before the end, as Gemma computes it);
-    it has no Triton kernel."""
+    GPU, the reference elsewhere. The offset kind's C++ kernel computes in fp32 with ``1 +
+    weight`` in fp32, rounding once at the end, as Gemma computes it; it has no Triton kernel."""
     if is_offset:
-        ext = cpu_extension_for(x, weight)
+        ext = cpu_extension_for(x)  # the weight goes in as fp32 1 + weight, whatever its dtype
         if ext is None or x.numel() == 0:
             return reference_rms_norm(x, weight, eps, is_offset)
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # [num_rows, hidden] in fp32
-        return ext.rms_norm(rows, 1.0 + weight.float(), eps).view(x.shape).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_rows, hidden]
+        return ext.rms_norm_offset(rows, 1.0 + weight.float(), eps).view(x.shape)
     if not weight.is_contiguous():
         return reference_rms_norm(x, weight, eps)
     if x.is_cuda and triton_ops.is_available() and x.dtype == weight.dtype:

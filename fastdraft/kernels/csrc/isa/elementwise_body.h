@@ -62,6 +62,52 @@ void rms_norm_row_of(const T* a, const T* b, const T* w, T* sum, T* out, int64_t
   }
 }
 
+// rms_norm_row_of's offset kind (Gemma): out = round(w1 * (s * inv_rms(s))) in fp32, w1 fp32.
+template <typename T>
+void rms_norm_offset_row_of(const T* a, const T* b, const float* w1, T* sum, T* out, int64_t h, float eps, int64_t c0,
+                            int64_t c1) {
+  constexpr int L = simd::kLanes, kVecs16 = 16 / L;
+  auto value = [&](int64_t i, int64_t n) {
+    const Vf v = simd::load(a + i, n);
+    return b ? to_type<T>(simd::add(v, simd::load(b + i, n))) : v;
+  };
+  Vf ss[kVecs16];
+  for (int v = 0; v < kVecs16; ++v) ss[v] = simd::zero();
+  for (int64_t i = 0; i < h; i += 16)
+    for (int v = 0; v < kVecs16; ++v) {
+      const Vf x = value(i + L * v, h - i - L * v);  // zeros past h
+      ss[v] = simd::fmadd(x, x, ss[v]);
+    }
+  for (int v = 1; v < kVecs16; ++v) ss[0] = simd::add(ss[0], ss[v]);
+  const Vf inv = simd::set1(1.0f / std::sqrt(simd::hsum(ss[0]) / static_cast<float>(h) + eps));
+  for (int64_t c = c0; c < c1; c += L) {
+    const int64_t n = c1 - c;
+    const Vf v = value(c, n);
+    if (sum) simd::store(sum + c, v, n);
+    simd::store(out + c, simd::mul(simd::load(w1 + c, n), simd::mul(v, inv)), n);
+  }
+}
+
+// out = round(gelu_tanh(gate)) * up, L values (n of them): g / (1 + exp(-2u)), as generic.h.
+template <typename T>
+inline void gelu_tanh_mul_vec(const T* gate, const T* up, T* out, int64_t n) {
+  const Vf g = simd::load(gate, n);
+  const Vf cube = simd::mul(simd::mul(g, g), g);
+  const Vf inner = simd::add(g, simd::mul(simd::set1(0.044715f), cube));
+  const Vf e = exp_approx(simd::mul(simd::set1(-1.5957691216057308f), inner));
+  const Vf s = to_type<T>(simd::div(g, simd::add(simd::set1(1.0f), e)));
+  simd::store(out, simd::mul(s, simd::load(up, n)), n);
+}
+
+template <typename T>
+void gelu_tanh_mul_of(const T* gate, const T* up, T* out, int64_t n) {
+  constexpr int L = simd::kLanes;
+  int64_t i = 0;
+  for (; i + 4 * L <= n; i += 4 * L)
+    for (int v = 0; v < 4; ++v) gelu_tanh_mul_vec(gate + i + L * v, up + i + L * v, out + i + L * v, L);
+  for (; i < n; i += L) gelu_tanh_mul_vec(gate + i, up + i, out + i, n - i);
+}
+
 // out = round(silu(gate)) * up, L values (n of them).
 template <typename T>
 inline void silu_mul_vec(const T* gate, const T* up, T* out, int64_t n) {

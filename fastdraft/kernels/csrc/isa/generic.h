@@ -12,8 +12,8 @@
 //   AVX-512's reduce-add does (reduce_add16); an AVX2 kernel gets the same order with two
 //   8-lane accumulators.
 // Bit-identical to the AVX-512 code: quantize_row, woq_tiles, woq_block_sums, dequant_tile,
-// rms_norm_row, add, scale_to_float, merge_splits, argmax, block_cdf, and rotary_row on bf16.
-// Not: silu_mul and attend_split use std::exp, not the AVX-512 code's polynomial, and the
+// rms_norm_row, rms_norm_offset_row, add, scale_to_float, merge_splits, argmax, block_cdf, and rotary_row on bf16.
+// Not: silu_mul, gelu_tanh_mul and attend_split use std::exp, not the AVX-512 code's polynomial, and the
 // attention's dot products and sums run in key order. NaN and infinite inputs are not mirrored.
 // The plain `a * b + c` expressions here must stay two roundings: a variant built with an FMA
 // unit enabled includes this file under -ffp-contract=off, or GCC fuses them.
@@ -294,6 +294,41 @@ inline void rms_norm_row(int32_t type, const void* a, const void* b, const void*
       const float v = value(i);
       if (sum) E::store(sum, i, v);
       E::store(out, i, E::load(weight, i) * E::round(v * inv));
+    }
+  });
+}
+
+// The offset kind of rms_norm_row: out = round(w1 * (s * inv)) in fp32, w1 fp32.
+inline void rms_norm_offset_row(int32_t type, const void* a, const void* b, const float* w1, void* sum, void* out,
+                                int64_t h, float eps, int64_t c0, int64_t c1) {
+  with_type(type, [&](auto e) {
+    using E = decltype(e);
+    auto value = [&](int64_t i) { return b ? E::round(E::load(a, i) + E::load(b, i)) : E::load(a, i); };
+    float lanes[16] = {};
+    for (int64_t i = 0; i < h; ++i) {
+      const float v = value(i);
+      lanes[i % 16] = std::fma(v, v, lanes[i % 16]);
+    }
+    const float inv = 1.0f / std::sqrt(reduce_add16(lanes) / static_cast<float>(h) + eps);
+    for (int64_t i = c0; i < c1; ++i) {
+      const float v = value(i);
+      if (sum) E::store(sum, i, v);
+      E::store(out, i, w1[i] * (v * inv));
+    }
+  });
+}
+
+// out = round(round(gelu_tanh(gate)) * up), n values; gelu_tanh(g) = g / (1 + exp(-2u)) with
+// u = sqrt(2 / pi) (g + 0.044715 g^3), each product rounded on its own.
+inline void gelu_tanh_mul(int32_t type, const void* gate, const void* up, void* out, int64_t n) {
+  with_type(type, [&](auto e) {
+    using E = decltype(e);
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = E::load(gate, i);
+      const float cube = (g * g) * g;
+      const float u2 = -1.5957691216057308f * (g + 0.044715f * cube);  // -2u
+      const float s = E::round(g / (1.0f + std::exp(u2)));
+      E::store(out, i, s * E::load(up, i));
     }
   });
 }

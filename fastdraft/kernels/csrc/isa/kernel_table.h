@@ -19,7 +19,7 @@ namespace fastdraft {
 
 // Bumped whenever a struct or a function's meaning below changes: the driver refuses a
 // variant library built against another version.
-constexpr uint32_t kKernelTableVersion = 2;
+constexpr uint32_t kKernelTableVersion = 3;
 
 // Element type of activations, caches and outputs.
 enum ElementType : int32_t { kElemFloat32 = 0, kElemBFloat16 = 1 };
@@ -143,6 +143,15 @@ struct KernelTable {
   // block_cdf[i] = running float64 sum of the row up to the end of block i (blocks of `block`
   // values); returns the total.
   double (*block_cdf)(const float* row, int64_t n, int64_t block, double* block_cdf);
+
+  // ---- Gemma's elementwise ops -----------------------------------------------------------
+  // rms_norm_row's offset kind: out[c0:c1] = round(w1 * (s * inv)) all in fp32, one rounding
+  // at the end, w1 [h] fp32 (Gemma's 1 + weight); s, inv and sum as in rms_norm_row.
+  void (*rms_norm_offset_row)(int32_t type, const void* a, const void* b, const float* w1, void* sum, void* out,
+                              int64_t h, float eps, int64_t c0, int64_t c1);
+  // out = round(round(gelu_tanh(gate)) * up), n values; gelu_tanh(g) = g / (1 + exp(-2u)),
+  // u = sqrt(2 / pi) (g + 0.044715 g^3): the tanh form's value, 0.5 g (1 + tanh(u)).
+  void (*gelu_tanh_mul)(int32_t type, const void* gate, const void* up, void* out, int64_t n);
 };
 
 }  // namespace fastdraft

@@ -29,6 +29,8 @@ constexpr fastdraft::KernelTable make_table() {
   t.dense_bf16_rows = nullptr;  // has_bf16_dot() is 0
   t.argmax = g::argmax;
   t.block_cdf = g::block_cdf;
+  t.rms_norm_offset_row = g::rms_norm_offset_row;
+  t.gelu_tanh_mul = g::gelu_tanh_mul;
   return t;
 }
 

@@ -51,6 +51,22 @@ void silu_mul(int32_t type, const void* gate, const void* up, void* out, int64_t
   });
 }
 
+void rms_norm_offset_row(int32_t type, const void* a, const void* b, const float* w1, void* sum, void* out, int64_t h,
+                         float eps, int64_t c0, int64_t c1) {
+  with_type(type, [&](auto e) {
+    using T = decltype(e);
+    rms_norm_offset_row_of(static_cast<const T*>(a), static_cast<const T*>(b), w1, static_cast<T*>(sum),
+                           static_cast<T*>(out), h, eps, c0, c1);
+  });
+}
+
+void gelu_tanh_mul(int32_t type, const void* gate, const void* up, void* out, int64_t n) {
+  with_type(type, [&](auto e) {
+    using T = decltype(e);
+    gelu_tanh_mul_of(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(out), n);
+  });
+}
+
 void rotary_row(int32_t type, const void* x, const void* cos, const void* sin, void* out, int64_t heads,
                 int64_t head_dim) {
   with_type(type, [&](auto e) {
@@ -105,6 +121,8 @@ constexpr fastdraft::KernelTable make_table() {
 #endif
   t.argmax = argmax;
   t.block_cdf = fastdraft::generic::block_cdf;  // its 16 fp64 lanes vectorize as plain C++
+  t.rms_norm_offset_row = rms_norm_offset_row;
+  t.gelu_tanh_mul = gelu_tanh_mul;
   return t;
 }
 
