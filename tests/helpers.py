@@ -114,12 +114,15 @@ def build_hf_model(variant: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
     elif variant == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw, num_hidden_layers=3, rope_theta=1e6,
                                              tie_word_embeddings=False, use_sliding_window=False))
-    elif variant == "gemma3":
+    elif variant in ("gemma3", "gemma3_w32"):
         # Five local layers (a window of 8) to a global one, each kind its own rotary base; a
-        # head dim and attention scale of their own.
+        # head dim and attention scale of their own. gemma3_w32: a window of 32 over two blocks
+        # of 16, and one block of a layer's keys a whole 4 KiB page (fp32), so that a block's
+        # memory can be released alone.
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        kw.update(num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        window, head_dim = (8, 32) if variant == "gemma3" else (32, 64)
+        kw.update(num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=24, sliding_window=window,
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
         model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, num_hidden_layers=6, tie_word_embeddings=True))
@@ -127,7 +130,7 @@ def build_hf_model(variant: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
         raise ValueError(variant)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and variant == "gemma3":
+            if name.endswith("norm.weight") and variant.startswith("gemma3"):
                 p.copy_(0.3 * torch.randn_like(p))  # Gemma's norms scale by 1 + weight
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))

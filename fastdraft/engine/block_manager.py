@@ -10,13 +10,18 @@ whose prompt starts with the same full blocks takes them from the cache instead 
 them. A freed block keeps its key and contents until the pool needs the block for something
 else; free blocks are handed out least recently freed first, so the most recently used
 prefixes survive longest.
+
+Sliding windows (a model with local-attention layers, ``window``): a block that every holder's
+window has moved past is no longer read by those layers, and ``on_window_passed`` is told so
+(the KV cache then releases those layers' part of it). A cached prefix is reused only as far
+as the blocks its window needs still hold their local layers' part.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fastdraft.engine.sequence import Sequence
@@ -45,15 +50,22 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes = _NO_HASH  # set once the block is full and committed
+    window_holders: int = 0  # holders whose sliding window still covers the block
+    is_window_released: bool = False  # the windowed layers' part is gone (until reused)
 
 
 class BlockManager:
     """Allocates cache blocks to sequences; ``ValueError`` for a request that could never fit."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None, on_window_passed: Callable[[list[int]], object] | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be positive, got {window}")
         self.block_size = block_size
+        self.window, self.on_window_passed = window, on_window_passed
+        self.num_window_released = 0  # blocks whose windowed part was released, in all
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
@@ -85,13 +97,39 @@ class BlockManager:
         if block.hash and self._cached.get(block.hash) == block_id:
             del self._cached[block.hash]  # evicted: its contents are about to be overwritten
         block.hash = _NO_HASH
-        block.ref_count = 1
+        block.ref_count = block.window_holders = 1
+        block.is_window_released = False
         return block
 
     def _hold(self, block: Block) -> None:
         if block.ref_count == 0:
             del self._free[block.block_id]
         block.ref_count += 1
+        block.window_holders += 1
+
+    def _num_window_passed(self, num_computed_tokens: int) -> int:
+        """Leading blocks that no token from ``num_computed_tokens`` on sees through the window
+        (the next token sees keys from ``num_computed_tokens - window + 1`` on)."""
+        if self.window is None:
+            return 0
+        return max(num_computed_tokens - self.window + 1, 0) // self.block_size
+
+    def _slide_window(self, seq: Sequence) -> None:
+        """Let go of the window of ``seq``'s blocks that its window has moved past; a block no
+        holder's window covers any more is reported to ``on_window_passed``."""
+        num_passed = min(self._num_window_passed(seq.num_computed_tokens), len(seq.block_table))
+        passed = []
+        for index in range(seq.num_window_passed_blocks, num_passed):
+            block = self.blocks[seq.block_table[index]]
+            block.window_holders -= 1
+            if block.window_holders == 0 and not block.is_window_released:
+                block.is_window_released = True
+                passed.append(block.block_id)
+        seq.num_window_passed_blocks = max(seq.num_window_passed_blocks, num_passed)
+        if passed:
+            self.num_window_released += len(passed)
+            if self.on_window_passed is not None:
+                self.on_window_passed(passed)
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[Block]:
         """The cached blocks that hold ``seq``'s leading full blocks, in order (a preempted
@@ -107,6 +145,10 @@ class BlockManager:
             if block_id is None:
                 break
             found.append(self.blocks[block_id])
+        # The blocks the window of the first uncached token reaches must still be whole.
+        while found and any(b.is_window_released
+                            for b in found[self._num_window_passed(len(found) * self.block_size):]):
+            found.pop()
         return found
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block] | None = None) -> bool:
@@ -137,6 +179,7 @@ class BlockManager:
             self.free(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             raise ValueError("not enough free blocks; call can_allocate first")
+        self._slide_window(seq)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``seq`` past its computed ones;
@@ -154,7 +197,9 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Key ``seq``'s newly filled, computed blocks for prefix caching (after a forward
-        pass); the blocks keyed before keep their keys, so a step hashes only what it filled."""
+        pass); the blocks keyed before keep their keys, so a step hashes only what it filled.
+        Blocks its sliding window has moved past are let go of for the windowed layers."""
+        self._slide_window(seq)
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -179,10 +224,13 @@ class BlockManager:
 
     def _release_from(self, seq: Sequence, num_kept: int) -> None:
         """Let go of ``seq``'s blocks after its first ``num_kept``, last first."""
-        for block_id in reversed(seq.block_table[num_kept:]):
-            block = self.blocks[block_id]
+        for index in range(len(seq.block_table) - 1, num_kept - 1, -1):
+            block = self.blocks[seq.block_table[index]]
             block.ref_count -= 1
+            if index >= seq.num_window_passed_blocks:
+                block.window_holders -= 1  # a freed block keeps its data for the prefix cache
             if block.ref_count == 0:
-                self._free[block_id] = None
+                self._free[block.block_id] = None
         del seq.block_table[num_kept:]
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_kept)
+        seq.num_window_passed_blocks = min(seq.num_window_passed_blocks, num_kept)

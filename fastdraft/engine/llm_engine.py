@@ -136,11 +136,16 @@ class LLMEngine:
                                                                           model.dtype), self.max_model_len)
         # On a GPU, one block past the block manager's: the decode graphs' padding rows read it.
         use_graphs = model.device.type == "cuda" and not self.config.enforce_eager
+        # Local-attention layers give back the blocks their window has passed (CPU memory only).
+        windows = {i: layer.attention.sliding_window for i, layer in enumerate(model.plan.layers)
+                   if layer.attention.sliding_window is not None and model.device.type == "cpu"}
         self.kv_cache = PagedKVCache.from_config(loaded.config, num_blocks + use_graphs, self.config.block_size,
-                                                 model.dtype, model.device)
+                                                 model.dtype, model.device, windowed_layers=tuple(windows))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.config.block_size,
                     self.kv_cache.num_bytes / (1 << 30))
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                          window=max(windows.values(), default=None),
+                                          on_window_passed=self.kv_cache.release_window_blocks)
         eos_token_ids = set(loaded.config.eos_token_ids or [])
         self.scheduler = Scheduler(SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                                    self.config.enable_chunked_prefill), self.block_manager,

@@ -41,6 +41,7 @@ class Sequence:
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    num_window_passed_blocks: int = 0  # leading blocks its sliding window has moved past
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     # What ended a "stop": the EOS token id, or the stop string.
     stop_reason: int | str | None = None

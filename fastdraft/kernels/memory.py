@@ -13,6 +13,7 @@ in it is freed. Where huge pages are unavailable, tensors get plain memory.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import threading
@@ -95,3 +96,56 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     the KV cache, for the reason weights live there."""
     out = _huge_page_empty(shape, dtype) if torch.device(device).type == "cpu" else None
     return out if out is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+
+_PAGE_BYTES = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # Linux: the range's private anonymous pages are dropped, to read as zeros
+_MADV_NOHUGEPAGE = 15
+
+
+def _page_range(t: torch.Tensor) -> tuple[int, int]:
+    """The whole pages inside contiguous ``t``'s bytes: (first address, length), length 0 if none."""
+    start = t.data_ptr()
+    first = -(-start // _PAGE_BYTES) * _PAGE_BYTES
+    end = (start + t.numel() * t.element_size()) // _PAGE_BYTES * _PAGE_BYTES
+    return first, max(end - first, 0)
+
+
+def _madvise(t: torch.Tensor, advice: int) -> int:
+    """madvise(advice) over the whole pages inside contiguous CPU tensor ``t``: the bytes advised (0: none, or refused)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return 0
+    first, length = _page_range(t)
+    if length == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return length if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), advice) == 0 else 0
+
+
+def small_pages(t: torch.Tensor) -> None:
+    """Back ``t`` (untouched memory from :func:`huge_page_zeros`) with 4 KiB pages after all:
+    for memory given back a few KiB at a time (:func:`release_pages`), where a huge page would
+    bring in 2 MiB at the first write."""
+    _madvise(t, _MADV_NOHUGEPAGE)
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Return the whole pages inside ``t`` (contiguous, in private anonymous CPU memory, such as
+    :func:`huge_page_zeros` gives) to the OS: they read as zeros until written again. Returns the
+    bytes released (0 on other devices, or where the OS does not take the advice)."""
+    return _madvise(t, _MADV_DONTNEED)
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the whole pages inside contiguous CPU tensor ``t`` that are in memory now (mincore)."""
+    first, length = _page_range(t)
+    if length == 0:
+        return 0
+    num_pages = length // _PAGE_BYTES
+    vec = (ctypes.c_ubyte * num_pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * _PAGE_BYTES

@@ -16,7 +16,7 @@ import torch
 
 from fastdraft.model_config import ModelConfig
 from fastdraft.kernels import triton_attention
-from fastdraft.kernels.memory import huge_page_zeros
+from fastdraft.kernels.memory import huge_page_zeros, release_pages, small_pages
 from fastdraft.kernels.ops.attention_ops import PagedAttentionMetadata
 
 
@@ -55,16 +55,44 @@ def flat_batch(spans: list[Span], block_size: int, device: torch.device | str) -
 
 class PagedKVCache:
     """Key/value blocks ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``,
-    shared by all sequences through their block tables (``engine/block_manager.py``)."""
+    shared by all sequences through their block tables (``engine/block_manager.py``).
+
+    ``windowed_layers``: the layers whose attention sees a sliding window. Where every holder
+    of a block has moved past it by more than the window, those layers' part of the block is
+    returned to the OS (:meth:`release_window_blocks`; on a CPU), while the block id stays held
+    for the other layers: a long sequence then keeps the full cache of its global layers and
+    only the windows of its local ones."""
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 windowed_layers: tuple[int, ...] = ()) -> None:
         if min(num_layers, num_blocks, num_kv_heads, block_size, head_dim) <= 0:
             raise ValueError("every dimension of the KV cache must be positive")
+        if any(not 0 <= i < num_layers for i in windowed_layers):
+            raise ValueError(f"windowed layers {windowed_layers} outside 0..{num_layers - 1}")
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = huge_page_zeros(shape, dtype, device)
         self.v = huge_page_zeros(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.windowed_layers = tuple(windowed_layers)
+        for layer in self.windowed_layers:  # released a block at a time: no 2 MiB pages there
+            small_pages(self.k[layer])
+            small_pages(self.v[layer])
+
+    def release_window_blocks(self, block_ids: list[int]) -> int:
+        """Return the windowed layers' part of ``block_ids`` to the OS (the pages wholly inside
+        each run of consecutive ids); they read as zeros until written. Returns the bytes released."""
+        released = 0
+        ids = sorted(block_ids)
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                runs.append((ids[start], ids[i - 1] + 1))
+                start = i
+        for layer in self.windowed_layers:
+            for first, end in runs:
+                released += release_pages(self.k[layer, first:end]) + release_pages(self.v[layer, first:end])
+        return released
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -73,9 +101,9 @@ class PagedKVCache:
 
     @classmethod
     def from_config(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu") -> "PagedKVCache":
+                    device: torch.device | str = "cpu", windowed_layers: tuple[int, ...] = ()) -> "PagedKVCache":
         return cls(config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim,
-                   dtype, device)
+                   dtype, device, windowed_layers)
 
     @property
     def num_bytes(self) -> int:
