@@ -2,7 +2,8 @@
 
 import torch
 
-from fastdraft.kernels.memory import REGION_BYTES, huge_page_copy, huge_page_zeros
+from fastdraft.kernels.memory import (REGION_BYTES, huge_page_copy, huge_page_zeros, release_pages, resident_bytes,
+                                     small_pages)
 
 
 def test_copies_are_equal_contiguous_and_independent():
@@ -33,3 +34,19 @@ def test_zeros_are_zero_and_writable_outside_inference_mode():
         t.add_(1)  # a KV cache is written in place, in or out of inference mode
         assert bool((t == 1).all())
     assert huge_page_zeros((2, 3), torch.float32, device="meta").device.type == "meta"
+
+
+def test_released_pages_leave_memory_and_read_as_zeros_until_written():
+    pool = huge_page_zeros((REGION_BYTES // 4096, 4096), torch.uint8)  # a region of its own, untouched
+    small_pages(pool)  # before the first write: 4 KiB pages from here on
+    assert resident_bytes(pool) == 0
+    pool[:16] = 1
+    assert resident_bytes(pool) == 16 * 4096  # only the pages written
+    assert release_pages(pool[2:10]) == 8 * 4096
+    assert resident_bytes(pool) == 8 * 4096
+    pool[5] = 3  # written again: back in memory
+    assert resident_bytes(pool) == 9 * 4096 and bool((pool[5] == 3).all())
+    # (Read last: mincore counts a read page as resident, though the read maps the zero page.)
+    assert not pool[[2, 3, 4, 6, 7, 8, 9]].any() and bool((pool[:2] == 1).all()) and bool((pool[10:16] == 1).all())
+    # A range shorter than a page releases nothing, and nothing outside it.
+    assert release_pages(pool[0, 100:200]) == 0 and bool((pool[0] == 1).all())
