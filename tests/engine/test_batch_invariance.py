@@ -91,8 +91,9 @@ def check_invariance(loaded, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_tiny_model_logits_do_not_depend_on_the_batch(tiny_models, weights):
-    loaded = load_model(tiny_models.dir("qwen2"), dtype="bf16")
+@pytest.mark.parametrize("variant", ["qwen2", "gemma3"])  # gemma3: windowed layers, every norm kind
+def test_tiny_model_logits_do_not_depend_on_the_batch(tiny_models, variant, weights):
+    loaded = load_model(tiny_models.dir(variant), dtype="bf16")
     if weights == "int4":
         quantize_model(loaded.model, QuantConfig(method="rtn", group_size=32), show_progress=False)
     check_invariance(loaded, loaded.config.vocab_size)
