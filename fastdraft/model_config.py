@@ -16,6 +16,11 @@ SUPPORTED_MODEL_TYPES = {
 # Activations by HF name (``hidden_act``, Gemma's ``hidden_activation``) -> the plan's name.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# ``rope_scaling`` kinds (``rope_type``) the rotary embedding implements (layers/rotary.py), and
+# the keys each needs besides ``rope_type``.
+ROPE_TYPES = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
+              "yarn": ("factor", "original_max_position_embeddings"),
+              "llama3": ("factor", "original_max_position_embeddings")}
 # Fields only some architectures have: left out of ``to_hf_dict`` while unset.
 _OPTIONAL_FIELDS = ("query_pre_attn_scalar", "sliding_window", "layer_types", "rope_local_base_freq",
                     "final_logit_softcapping", "attn_logit_softcapping")
@@ -86,9 +91,12 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type not in ("default", "llama3", None):
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) or "default"
+            if rope_type not in ROPE_TYPES:
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+            missing = [k for k in ROPE_TYPES[rope_type] if self.rope_scaling.get(k) is None]
+            if missing:
+                raise ValueError(f"rope_scaling {rope_type!r} needs {', '.join(missing)}")
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -158,9 +158,18 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+def _scaling(config: ModelConfig) -> tuple[tuple[str, Any], ...]:
+    """``config.rope_scaling``, frozen, with what the rotary embedding needs from the config:
+    ``dynamic`` NTK scales against ``max_position_embeddings`` (as HF does)."""
+    scaling = dict(config.rope_scaling or {})
+    if scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        scaling.setdefault("max_position_embeddings", config.max_position_embeddings)
+    return _frozen(scaling)
+
+
 def llama_plan(config: ModelConfig) -> DecoderPlan:
     """Llama, SmolLM2 and Qwen2: pre-norms ``x * w``, SiLU-gated MLP, full rotary, one shape."""
-    rotary = RotarySpec(config.rope_theta, config.head_dim, _frozen(config.rope_scaling or {}))
+    rotary = RotarySpec(config.rope_theta, config.head_dim, _scaling(config))
     attention = AttentionSpec(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                               config.head_dim ** -0.5, rotary, has_qkv_bias=config.attention_bias)
     mlp = MlpSpec(config.intermediate_size, "silu", has_bias=config.mlp_bias)
@@ -185,7 +194,7 @@ def gemma3_plan(config: ModelConfig) -> DecoderPlan:
         "full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
         for i in range(config.num_hidden_layers)]
     scale = (config.query_pre_attn_scalar or dim) ** -0.5
-    rotaries = {"full_attention": RotarySpec(config.rope_theta, dim, _frozen(config.rope_scaling or {})),
+    rotaries = {"full_attention": RotarySpec(config.rope_theta, dim, _scaling(config)),
                 "sliding_attention": RotarySpec(config.rope_local_base_freq or GEMMA3_LOCAL_ROPE_BASE, dim)}
     mlp = MlpSpec(config.intermediate_size, ACTIVATIONS[config.hidden_act])
 

@@ -67,3 +67,41 @@ def test_apply_rotary_is_a_rotation():
         return apply_rotary(v.view(1, 1, 1, 16), c, s).flatten()
 
     assert math.isclose(float(rot(q, 7) @ rot(k, 3)), float(rot(q, 14) @ rot(k, 10)), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+], ids=["linear", "dynamic", "yarn-qwen2.5", "yarn-reduced"])
+def test_scaled_tables_match_transformers_past_the_original_context(scaling):
+    """cos/sin at positions past the original context, as transformers' rotary embedding gives
+    them (for dynamic NTK, a forward pass whose longest position is the last one asked for)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    head_dim, theta, max_pos = 128, 1e6, 32768
+    cfg = Qwen2Config(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=4, rope_theta=theta,
+                      rope_scaling=dict(scaling), max_position_embeddings=max_pos)
+    positions = torch.tensor([[0, 1, 4095, 32767, 40000, 131071]])
+    hf_cos, hf_sin = Qwen2RotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    ours = dict(scaling)
+    if scaling["rope_type"] == "dynamic":
+        ours["max_position_embeddings"] = max_pos
+    cos, sin = RotaryEmbedding(head_dim, theta, ours)(positions, torch.float32)
+    torch.testing.assert_close(cos, hf_cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sin, hf_sin, atol=2e-5, rtol=0)
+    plain_cos, _ = RotaryEmbedding(head_dim, theta)(positions, torch.float32)
+    assert not torch.allclose(cos, plain_cos)  # the scaling did something
+
+
+def test_unknown_or_incomplete_scalings_are_refused():
+    from fastdraft.model_config import ModelConfig
+
+    base = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+        ModelConfig(**base, rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="needs original_max_position_embeddings"):
+        ModelConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
