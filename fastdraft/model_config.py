@@ -11,6 +11,8 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # Activations by HF name (``hidden_act``, Gemma's ``hidden_activation``) -> the plan's name.

@@ -89,6 +89,12 @@ def _common(vocab_size: int) -> dict[str, Any]:
 
 
 VARIANTS = ("llama", "llama_tied", "llama3_rope", "qwen2")
+# A tiny Llama (Qwen2 for yarn) per rotary scaling kind.
+ROPE_SCALING_VARIANTS = {
+    "rope_linear": {"rope_type": "linear", "factor": 2.0},
+    "rope_dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "rope_yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
 
 
 def build_hf_model(variant: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
@@ -114,6 +120,33 @@ def build_hf_model(variant: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
     elif variant == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw, num_hidden_layers=3, rope_theta=1e6,
                                              tie_word_embeddings=False, use_sliding_window=False))
+    elif variant == "qwen3":
+        # Per-head q/k norms; a head size (32) that is not hidden / heads (16); a tied head.
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=32, num_hidden_layers=2, rope_theta=1e6,
+                                             tie_word_embeddings=True, attention_bias=False))
+    elif variant in ("mistral", "mistral_nemo"):
+        # mistral: every layer over a window of 16 keys; mistral_nemo: no window, a head size of
+        # its own.
+        from transformers import MistralConfig, MistralForCausalLM
+
+        extra = dict(sliding_window=16) if variant == "mistral" else dict(sliding_window=None, head_dim=32)
+        model = MistralForCausalLM(MistralConfig(**kw, **extra, num_hidden_layers=2, tie_word_embeddings=False))
+    elif variant in ROPE_SCALING_VARIANTS:
+        # Llama (Qwen2 for yarn) with each rotary scaling, over an original context of 64 that
+        # a 200-token text passes.
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        scaling = ROPE_SCALING_VARIANTS[variant]
+        if variant == "rope_yarn":
+            kw["max_position_embeddings"] = 256  # the original 64 times the factor
+            model = Qwen2ForCausalLM(Qwen2Config(**kw, num_hidden_layers=2, rope_theta=1e4, rope_scaling=scaling,
+                                                 tie_word_embeddings=False, use_sliding_window=False))
+        else:
+            kw["max_position_embeddings"] = 64 if variant == "rope_dynamic" else kw["max_position_embeddings"]
+            model = LlamaForCausalLM(LlamaConfig(**kw, num_hidden_layers=2, rope_scaling=scaling,
+                                                 tie_word_embeddings=False))
     elif variant in ("gemma3", "gemma3_w32"):
         # Five local layers (a window of 8) to a global one, each kind its own rotary base; a
         # head dim and attention scale of their own. gemma3_w32: a window of 32 over two blocks

@@ -10,7 +10,7 @@ hooks live), the C++ step (``models/fused_decoder.py``) and the CUDA step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from fastdraft.model_config import ACTIVATIONS, ModelConfig
@@ -179,6 +179,34 @@ def llama_plan(config: ModelConfig) -> DecoderPlan:
                        NormSpec("norm", config.rms_norm_eps), is_head_tied=config.tie_word_embeddings)
 
 
+def _windows(config: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window: ``sliding_window`` on the layers ``layer_types`` calls
+    ``sliding_attention`` (none without ``layer_types``)."""
+    kinds = config.layer_types or ["full_attention"] * config.num_hidden_layers
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def qwen3_plan(config: ModelConfig) -> DecoderPlan:
+    """Qwen3: Llama's layer with an RMSNorm (``x * w``) over each query and key head before
+    rotary, a head size of its own; windows only where ``layer_types`` has them (HF's
+    ``use_sliding_window``)."""
+    plan = llama_plan(config)
+    eps = config.rms_norm_eps
+    layers = tuple(replace(layer, attention=replace(layer.attention, q_norm=NormSpec("q_norm", eps),
+                                                    k_norm=NormSpec("k_norm", eps), sliding_window=window))
+                   for layer, window in zip(plan.layers, _windows(config)))
+    return replace(plan, layers=layers)
+
+
+def mistral_plan(config: ModelConfig) -> DecoderPlan:
+    """Mistral: Llama's layer, every layer's attention over a window of ``sliding_window`` keys
+    where it is set (none where it is null), a head size of its own (Mistral-Nemo)."""
+    plan = llama_plan(config)
+    window = config.sliding_window
+    return replace(plan, layers=tuple(replace(layer, attention=replace(layer.attention, sliding_window=window))
+                                      for layer in plan.layers))
+
+
 # What Gemma 3 takes where its config is silent (as transformers and llama.cpp do): every sixth
 # layer global, the local layers' rotary base.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
@@ -218,6 +246,8 @@ def gemma3_plan(config: ModelConfig) -> DecoderPlan:
 PLAN_BUILDERS: dict[str, Callable[[ModelConfig], DecoderPlan]] = {
     "llama": llama_plan,
     "qwen2": llama_plan,
+    "qwen3": qwen3_plan,
+    "mistral": mistral_plan,
     "gemma3_text": gemma3_plan,
 }
 
