@@ -243,12 +243,16 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
     """KV cache bytes a decode step reads at the run's mean context (16-bit keys and values,
-    as both fastdraft's bf16 cache and llama.cpp's default f16 cache store them)."""
+    as both fastdraft's bf16 cache and llama.cpp's default f16 cache store them); a layer with
+    a sliding window reads only its window."""
     from fastdraft.model_config import ModelConfig
+    from fastdraft.models.plan import decoder_plan
 
     config = ModelConfig.from_file(model_dir / "config.json")
     mean_context = num_prompt + num_new / 2
-    return round(config.kv_bytes_per_token(2) * mean_context)
+    per_layer = config.kv_bytes_per_token(2) / config.num_hidden_layers
+    windows = [layer.attention.sliding_window for layer in decoder_plan(config).layers]
+    return round(sum(per_layer * (mean_context if w is None else min(w, mean_context)) for w in windows))
 
 
 def _median_fraction(result: dict, bytes_per_token: int) -> float:
