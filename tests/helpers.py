@@ -8,6 +8,7 @@ tests import this module on machines that have none of them."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -181,6 +182,25 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_rope_factors(rope: dict[str, Any], theta: float, dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs.weight`` for a
+    ``llama3`` rotary scaling."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 _GGUF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -194,6 +214,8 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -214,8 +236,23 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str, 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope_theta = rope.get("rope_theta") or cfg.rope_theta
     w.add_rope_freq_base(float(rope_theta))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    # Rotary scaling as llama.cpp's converter writes it: metadata for linear and YaRN, a tensor
+    # of per-frequency divisors for Llama 3's.
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(rope, float(rope_theta), head_dim))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     vocab = tok.get_vocab(with_added_tokens=True)

@@ -49,15 +49,23 @@ _GEMMA3_LAYER_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Qwen3: Llama's tensors and a norm over each query and key head.
+_QWEN3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# GGUF architecture -> (HF model_type, its layer tensor names).
+# GGUF architecture -> (HF model_type, its layer tensor names). llama.cpp writes Mistral as
+# "llama" (and no sliding window: it runs those files without one, and so does the conversion).
 _ARCHS = {
     "llama": ("llama", _LAYER_TENSORS),
     "qwen2": ("qwen2", _LAYER_TENSORS),
+    "qwen3": ("qwen3", _QWEN3_LAYER_TENSORS),
     "gemma3": ("gemma3_text", _GEMMA3_LAYER_TENSORS),
 }
 
@@ -104,6 +112,7 @@ def _read_config(reader: Any) -> ModelConfig:
                      sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
                      rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE)  # llama.cpp's, the file being silent
     return ModelConfig(
+        rope_scaling=_rope_scaling(reader, arch, head_dim),
         model_type=_ARCHS[arch][0],
         vocab_size=int(embed.shape[1]) if tokens is None else max(len(tokens), int(embed.shape[1])),
         hidden_size=hidden,
@@ -122,6 +131,52 @@ def _read_config(reader: Any) -> ModelConfig:
         torch_dtype="bfloat16",
         **gemma,
     )
+
+
+def _rope_scaling(reader: Any, arch: str, head_dim: int) -> dict[str, Any] | None:
+    """The HF ``rope_scaling`` of a GGUF's rotary: ``{arch}.rope.scaling.*`` for linear and YaRN,
+    or Llama 3's per-frequency divisors (the ``rope_freqs.weight`` tensor llama.cpp computes from
+    ``factor``, ``low_freq_factor``, ``high_freq_factor`` and the original context), turned back
+    into an equivalent ``llama3`` scaling."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:
+        scaling = {"rope_type": "yarn", "factor": float(factor),
+                   "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length"))}
+        for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                          ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                scaling[name] = float(value)
+        return scaling
+    if kind not in (None, "none"):
+        raise GGUFError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn, and Llama 3's rope_freqs")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    return _llama3_scaling(np.asarray(freqs.data, dtype=np.float64).reshape(-1),
+                           float(_field(reader, f"{arch}.rope.freq_base", 10000.0)), head_dim)
+
+
+def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """The ``llama3`` scaling whose divisors of the frequencies are ``divisors`` [head_dim / 2]:
+    1 for short wavelengths, ``factor`` for long ones, and between them 1 / ((1 - s) / factor +
+    s) with s linear in 1 / wavelength. Only the ratios of the original context to the two
+    frequency factors matter, so ``low_freq_factor`` is taken as 1."""
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    factor = float(divisors.max())
+    if factor <= 1.0:
+        raise GGUFError("rope_freqs.weight scales no frequency; not Llama 3's scaling")
+    medium = (divisors > 1.0 + 1e-6) & (divisors < factor - 1e-6)
+    if medium.sum() < 2:
+        raise GGUFError("rope_freqs.weight has too few smoothed frequencies to recover Llama 3's scaling")
+    smooth = (1.0 / divisors[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)  # s = a / wavelength + b
+    a, b = np.polyfit(1.0 / wavelen[medium], smooth, 1)
+    high_freq_factor = 1.0 - 1.0 / b
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": float(high_freq_factor), "original_max_position_embeddings": float(-a / b)}
 
 
 # Control tokens that end a generation even when the GGUF names another EOS; the same list

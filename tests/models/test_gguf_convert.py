@@ -143,3 +143,31 @@ def test_unsupported_architecture_raises(tmp_path):
     with pytest.raises(GGUFError, match="unsupported GGUF architecture 'phi3'"):
         convert_gguf_to_hf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# Architectures and rotary scalings beyond the cases above, each as llama.cpp writes it: Qwen3
+# (its q/k norms), Mistral-Nemo as "llama" (a head size of its own), Llama 3's scaling as
+# rope_freqs.weight, linear and YaRN as metadata.
+MORE_CASES = [("qwen3", "qwen3"), ("mistral_nemo", "llama"), ("llama3_rope", "llama"), ("rope_linear", "llama"),
+              ("rope_yarn", "qwen2")]
+
+
+@pytest.mark.parametrize("variant,arch", MORE_CASES)
+def test_more_architectures_convert_to_the_same_logits(tiny_models, tiny_tokenizer, tmp_path, variant, arch):
+    path = tmp_path / f"{variant}.gguf"
+    hf = tiny_models.hf(variant)
+    write_tiny_gguf(path, hf, tiny_tokenizer, arch)
+    out = convert_gguf_to_hf(path, tmp_path / "hf", dtype=torch.float32)
+    config = ModelConfig.from_file(out / "config.json")
+    ours = ModelConfig.from_file(tiny_models.dir(variant) / "config.json")
+    assert (config.model_type, config.head_dim) == ("qwen3" if arch == "qwen3" else ours.model_type.replace("mistral", "llama"),
+                                                    ours.head_dim)
+    assert (config.rope_scaling or {}).get("rope_type") == (ours.rope_scaling or {}).get("rope_type")
+    loaded = load_model(out, dtype="fp32")
+    ids = torch.randint(3, loaded.config.vocab_size, (120,), generator=torch.Generator().manual_seed(0))
+    cache = SequenceCache.from_config(loaded.config, 128, dtype=torch.float32)
+    with torch.inference_mode():
+        input_ids, meta = cache.append(ids)
+        logits = loaded.model.compute_logits(loaded.model(input_ids, meta.positions, cache.kv_cache, meta))
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)
