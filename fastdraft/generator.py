@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.metrics import GenerationMetrics
@@ -83,17 +84,19 @@ class GenerationStream:
             pass
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int], chat: bool = False) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict[str, str]] | list[int], chat: bool = False,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a raw prompt, of chat messages rendered with the chat template (or of
-    a text prompt as one user message, with ``chat``), or token ids as given."""
+    a text prompt as one user message, with ``chat``; ``chat_template_kwargs``: the template's
+    own variables), or token ids as given."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return list(prompt)  # an empty list too: the engine's check refuses it
     if isinstance(prompt, list):
-        return tokenizer.encode_chat(prompt)
+        return tokenizer.encode_chat(prompt, chat_template_kwargs)
     if not isinstance(prompt, str):
         raise ValueError(f"a prompt is text, chat messages or token ids, got {type(prompt).__name__}")
     if chat:
-        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}], chat_template_kwargs)
     return tokenizer.encode(prompt)
 
 

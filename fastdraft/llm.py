@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tqdm.auto import tqdm
 
@@ -87,9 +89,11 @@ class LLM:
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
             return run_to_completion(self.engine, list(prompts), per_prompt, progress)
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Complete a conversation ([{"role": ..., "content": ...}]) rendered with the chat template."""
-        return run_to_completion(self.engine, [self.tokenizer.encode_chat(messages)],
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> RequestOutput:
+        """Complete a conversation ([{"role": ..., "content": ...}]) rendered with the chat
+        template; ``chat_template_kwargs``: the template's own variables (``enable_thinking``)."""
+        return run_to_completion(self.engine, [self.tokenizer.encode_chat(messages, chat_template_kwargs)],
                                  [sampling_params or SamplingParams()])[0]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,8 @@ def test_generate_chats_through_a_template_file(capsys, llama_dir, tiny_loaded, 
     args = ["generate", "--model", str(llama_dir), "--prompt", "the cat", "--max-tokens", "6", "--dtype", "fp32",
             "--max-seq-len", "64", "--chat"]
     assert main([*args, "--chat-template", str(template)]) == 0
-    out, _ = capsys.readouterr()
+    out, err = capsys.readouterr()
+    num_prompt = int(re.search(r"prompt (\d+) tokens", err).group(1))
     original = tiny_loaded.tokenizer.chat_template
     tiny_loaded.tokenizer.set_chat_template(template.read_text())
     try:
@@ -141,6 +143,14 @@ def test_generate_chats_through_a_template_file(capsys, llama_dir, tiny_loaded, 
         tiny_loaded.tokenizer.__dict__.pop("_template", None)
     assert out == expected.text + "\n"
     _fails_cleanly(capsys, [*args, "--chat-template", str(tmp_path / "missing.jinja")], "cannot read the chat template")
+    # The template's own variables: a JSON object, with --chat.
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "[assistant]{% if brief %} (brief){% endif %}")
+    assert main([*args, "--chat-template", str(template), "--chat-template-kwargs", '{"brief": true}']) == 0
+    _, err = capsys.readouterr()
+    assert int(re.search(r"prompt (\d+) tokens", err).group(1)) > num_prompt  # " (brief)" was rendered
+    _fails_cleanly(capsys, [*args, "--chat-template-kwargs", "{not json"], "expected a JSON object")
+    _fails_cleanly(capsys, [*args[:-1], "--chat-template-kwargs", '{"brief": true}'], "needs --chat")
 
 
 def test_subprocess_error_has_no_traceback(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 class CLIError(Exception):
@@ -14,6 +15,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # one line, not a usage dump
         raise CLIError(message)
+
+
+def json_object(text: str) -> dict:
+    """An ``argparse`` type: a JSON object (``{"enable_thinking": false}``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

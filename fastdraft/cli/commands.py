@@ -8,7 +8,7 @@ import functools
 import logging
 import sys
 
-from fastdraft.cli.args import CLIError, OneLineParser, positive_int
+from fastdraft.cli.args import CLIError, OneLineParser, json_object, positive_int
 from fastdraft.cli.quantize import add_quantize_commands, cmd_eval, cmd_quantize, quantized_model
 from fastdraft.models.registry import DEFAULT_MODEL, KNOWN_MODELS
 from fastdraft.process import configure_process
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "quantized on the fly (RTN). Default: a GGUF model runs on its file's own blocks")
     gen.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template file for --chat (replacing the model's own)")
+    gen.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                     help="the chat template's own variables for --chat, e.g. '{\"enable_thinking\": false}'")
     gen.add_argument("--keep-gguf-quant", action="store_true",
                      help="run on the quantized blocks of the model's GGUF file (a known name or a .gguf path), "
                           "the default on a CPU; an error for a model without one")
@@ -138,7 +140,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     if args.chat_template:
         loaded.tokenizer.set_chat_template(read_chat_template(args.chat_template))
     # The KV pool holds this request (its prompt and new tokens), not --max-seq-len tokens.
-    prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise CLIError("--chat-template-kwargs needs --chat")
+    prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat,
+                               chat_template_kwargs=args.chat_template_kwargs)
     config = EngineConfig(max_num_seqs=1, max_model_len=min(args.max_seq_len, len(prompt_ids) + args.max_tokens),
                           enforce_eager=args.enforce_eager)
     generator = TextGenerator(loaded, speculative=spec, engine_config=config)

@@ -220,9 +220,10 @@ def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
     tokenizer, vocab_size, max_model_len = engine.info.tokenizer, engine.info.vocab_size, engine.info.max_model_len
     if is_chat:
         try:
-            prompts = [tokenizer.encode_chat(body.conversation())]
+            prompts = [tokenizer.encode_chat(body.conversation(), body.chat_template_kwargs)]
         except ValueError as e:
-            raise RequestError(str(e), param="messages") from None
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise RequestError(str(e), param=param) from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requested = body.max_completion_tokens or body.max_tokens
     else:

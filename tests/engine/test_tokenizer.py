@@ -163,3 +163,20 @@ def test_chat_template_errors(tmp_path, tiny_tokenizer, tokenizer):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_chat_template_kwargs_reach_the_template(llama_dir):
+    # Qwen3's template closes an empty thinking block when enable_thinking is false.
+    tokenizer = Tokenizer(llama_dir)  # its own: the template is replaced
+    tokenizer.set_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = tokenizer.apply_chat_template(messages)
+    assert thinking.endswith("<|im_start|>assistant\n")
+    plain = tokenizer.apply_chat_template(messages, chat_template_kwargs={"enable_thinking": False})
+    assert plain == thinking + "<think>\n\n</think>\n\n"
+    assert tokenizer.encode_chat(messages, {"enable_thinking": False}) == tokenizer.encode(plain, add_special_tokens=False)
+    with pytest.raises(ValueError, match="may not set messages"):
+        tokenizer.apply_chat_template(messages, chat_template_kwargs={"messages": []})

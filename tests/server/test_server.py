@@ -180,6 +180,18 @@ def test_chat_streaming_and_not_with_usage_and_top_logprobs(live):
     assert rest.usage.prompt_tokens + rest.usage.completion_tokens == MAX_MODEL_LEN
 
 
+def test_chat_template_kwargs_are_passed_and_checked(live):
+    client = live.client()
+    messages = [{"role": "user", "content": "Say hi."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    with_kwargs = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert with_kwargs.choices[0].message.content == plain.choices[0].message.content  # a variable it ignores
+    bad = httpx.post(f"{live.url}/v1/chat/completions",
+                     json={"model": MODEL, "messages": messages, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_32_concurrent_streams_equal_offline_generate(live, loaded):
     client = live.client()
 
