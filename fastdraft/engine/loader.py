@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -45,9 +46,27 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "bf16", device: tor
     else:
         gguf_path = gguf_source(model) if keep_gguf_quant else None  # a wrong model fails before loading
     model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = with_generation_stops(ModelConfig.from_file(model_dir / "config.json"), model_dir)
     net = _load_weights(config, model_dir, torch_dtype, device, gguf_path, load_in_low_bit)
     return LoadedModel(model=net, tokenizer=Tokenizer(model_dir), config=config, model_dir=model_dir)
+
+
+def with_generation_stops(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """``config`` with the EOS ids of ``generation_config.json`` added to its own, as HF's
+    ``generate`` stops on them (Llama 3.x Instruct: ``<|eot_id|>``, ``<|eom_id|>``; Qwen3: both
+    ``<|im_end|>`` and ``<|endoftext|>``). ``ValueError`` for an unreadable file."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return config
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    extra = [eos] if isinstance(eos, int) else [t for t in eos or [] if isinstance(t, int)]
+    merged = config.eos_token_ids + [t for t in extra if t not in config.eos_token_ids]
+    if merged != config.eos_token_ids:
+        config.eos_token_id = merged
+    return config
 
 
 def _load_weights(config: ModelConfig, model_dir: Path, torch_dtype: torch.dtype, device: torch.device,

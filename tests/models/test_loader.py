@@ -113,3 +113,15 @@ def test_config_written_by_to_hf_dict_round_trips(tmp_path, llama_dir):
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
     again = ModelConfig.from_file(tmp_path / "config.json")
     assert again == config
+
+
+def test_generation_config_adds_its_stop_tokens(llama_dir, tmp_path):
+    # Llama 3.x Instruct lists <|eot_id|> and <|eom_id|> there, beside config.json's EOS.
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    own = ModelConfig.from_file(folder / "config.json").eos_token_ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [own[0], 5, 7]}))
+    assert load_model(folder, dtype="fp32").config.eos_token_ids == [*own, 5, 7]
+    (folder / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        load_model(folder, dtype="fp32")
