@@ -250,10 +250,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     scale = qw.scales.float().unsqueeze(-1)  # [N, num_groups, 1]
     if qw.bits == 8:
         w = qw.qweight.float().reshape(n, k // g, g) * scale
-    elif qw.bits == 6:
-        w = (unpack_int6(qw.qweight).float().reshape(n, k // g, g) - sym_zero_point(6)) * scale
     else:
-        q = unpack_int4(qw.qweight).float().reshape(n, k // g, g)
-        zero = torch.full_like(scale, sym_zero_point(4)) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
+        q = (unpack_int6 if qw.bits == 6 else unpack_int4)(qw.qweight).float().reshape(n, k // g, g)
+        zero = torch.full_like(scale, sym_zero_point(qw.bits)) if qw.zeros is None else qw.zeros.float().unsqueeze(-1)
         w = (q - zero) * scale
     return w.reshape(n, k).to(dtype)

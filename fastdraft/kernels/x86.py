@@ -191,12 +191,10 @@ def reference_woq_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     d = xb.abs().amax(dim=-1) / 127.0  # float32, as in C++
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     xq = torch.round(xb * inv.unsqueeze(-1))  # [M, num_blocks, block], half to even
-    if qw.bits == 4:
-        wq = unpack_int4(qw.qweight).double()
-        zero = (torch.full_like(qw.scales, sym_zero_point(4), dtype=torch.float64) if qw.zeros is None
+    if qw.bits in (4, 6):
+        wq = (unpack_int4 if qw.bits == 4 else unpack_int6)(qw.qweight).double()
+        zero = (torch.full_like(qw.scales, sym_zero_point(qw.bits), dtype=torch.float64) if qw.zeros is None
                 else qw.zeros.double())
-    elif qw.bits == 6:
-        wq, zero = unpack_int6(qw.qweight).double(), torch.full_like(qw.scales, sym_zero_point(6), dtype=torch.float64)
     else:
         wq, zero = qw.qweight.double(), torch.zeros_like(qw.scales, dtype=torch.float64)
     w = F.pad(wq, (0, k_pad - k)).reshape(qw.out_features, -1, block)  # [N, num_blocks, block]

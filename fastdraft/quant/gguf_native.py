@@ -13,6 +13,8 @@ Q4_1      INT4 g32, float zeros       codes and scale exact; zero ``-m / d`` rou
 Q4_K      INT4 g32, float zeros       codes exact; the 32-weight sub-block's scale ``d * sc``
                                       and zero ``dmin * m / (d * sc)`` rounded to fp16
 Q5_0      INT6 g32, symmetric         exact: ``q6 = q5 + 16`` with the block's scale
+Q5_K      INT6 g32, float zeros       codes exact; the 32-weight sub-block's scale ``d * sc``
+                                      and zero ``dmin * m / (d * sc)`` rounded to fp16
 Q6_K      INT6 g16, symmetric         codes exact; the 16-weight sub-block's scale ``d * sc``
                                       rounded to fp16
 Q8_0      INT8 g32, symmetric         exact
@@ -166,8 +168,9 @@ def _q4_1(blocks: np.ndarray) -> QuantizedWeight:
     return _float_zero_weight(q, d, m, num_blocks * GROUP)
 
 
-def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_features: int) -> QuantizedWeight:
-    """INT4 with float zeros for groups whose values are ``scale * q + offset``."""
+def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_features: int,
+                       bits: int = 4) -> QuantizedWeight:
+    """INT4 (or INT6) with float zeros for groups whose values are ``scale * q + offset``."""
     is_constant = scale == 0  # every value of the group is ``offset``: code 0 with zero -offset / scale
     if is_constant.any():
         q = q.reshape(*scale.shape, GROUP).copy()
@@ -178,8 +181,9 @@ def _float_zero_weight(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, in_
     zero = -offset / scale
     if not np.isfinite(zero.astype(np.float16)).all():
         raise ValueError("a zero point of this GGUF tensor does not fit float16")
-    return QuantizedWeight(pack_int4(_tensor(q, torch.uint8)), _tensor(scale, SCALE_DTYPE),
-                           _tensor(zero, SCALE_DTYPE), 4, GROUP, in_features)
+    pack = pack_int4 if bits == 4 else pack_int6
+    return QuantizedWeight(pack(_tensor(q, torch.uint8)), _tensor(scale, SCALE_DTYPE),
+                           _tensor(zero, SCALE_DTYPE), bits, GROUP, in_features)
 
 
 def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
@@ -196,6 +200,27 @@ def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     scale = (d[..., None] * sc).reshape(rows, -1)  # [rows, num_groups]
     offset = -(dmin[..., None] * m).reshape(rows, -1)
     return _float_zero_weight(q, scale, offset, num_blocks * 256)
+
+
+def _q5_k(blocks: np.ndarray) -> QuantizedWeight:
+    rows, num_blocks, _ = blocks.shape
+    # 256 weights: d, dmin, 12 bytes of 6-bit sub-block scales and mins (as Q4_K's), 32 bytes of
+    # 5th bits, 128 of low nibbles.
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, num_blocks]
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    sc = sc.reshape(rows, num_blocks, 8).astype(np.float32)
+    m = m.reshape(rows, num_blocks, 8).astype(np.float32)
+    qh = blocks[..., 16:48].reshape(rows, num_blocks, 1, 32)
+    # 4 chunks of 32 bytes: the low nibbles are sub-block 2c (5th bit: qh bit 2c), the high
+    # nibbles sub-block 2c + 1 (qh bit 2c + 1).
+    low = _nibbles(blocks[..., 48:176].reshape(rows, num_blocks, 4, 1, 32), axis=3)  # [rows, blocks, 4, 2, 32]
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [rows, blocks, 8, 32]: sub-block j's bits
+    q = (low.reshape(rows, num_blocks, 8, 32) | (high << 4)).reshape(rows, -1)
+    scale = (d[..., None] * sc).reshape(rows, -1)
+    offset = -(dmin[..., None] * m).reshape(rows, -1)
+    return _float_zero_weight(q, scale, offset, num_blocks * 256, bits=6)
 
 
 def _q5_0(blocks: np.ndarray) -> QuantizedWeight:
@@ -238,6 +263,7 @@ _EXACT = {  # GGML type -> (bytes of a block, its converter)
     "Q4_1": (20, _q4_1),
     "Q4_K": (144, _q4_k),
     "Q5_0": (22, _q5_0),
+    "Q5_K": (176, _q5_k),
     "Q6_K": (210, _q6_k),
     "Q8_0": (34, _q8_0),
 }

@@ -65,7 +65,7 @@ def parse_format_spec(spec: str) -> WeightFormat:
     except (ValueError, KeyError):
         raise ValueError(f"bad weight format {spec!r}; expected e.g. int4-g32-asymf") from None
     if bits not in (4, 6, 8) or (group != PER_CHANNEL and group not in SUPPORTED_GROUP_SIZES) or \
-            (not sym and bits != 4):
+            (not sym and bits != 4 and not (bits == 6 and float_zeros)):
         raise ValueError(f"unsupported weight format {spec!r}")
     return WeightFormat(bits, group, sym, float_zeros)
 

@@ -41,6 +41,12 @@ def fake_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.rando
         small = small.reshape(rows, cols // block_size, 2)
         if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin lead the block
             data[..., 0:2], data[..., 2:4] = small, small[:, ::-1]
+        elif qtype == Q.Q3_K:  # d ends it, after 16-bit-free bytes
+            data[..., -2:] = small
+            data = data.reshape(rows, -1)
+            return SimpleNamespace(tensor_type=qtype, shape=np.array([cols, rows]), data=data)
+        if qtype in (Q.Q4_K, Q.Q5_K):
+            data[..., 0:2], data[..., 2:4] = small, small[:, ::-1]
         else:  # Q6_K: d ends it
             data[..., -2:] = small
         data = data.reshape(rows, -1)
@@ -54,7 +60,8 @@ def gguf_values(tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype,bits,fmt", [
     (Q.Q4_0, 4, "int4-g32-sym"), (Q.Q4_1, 4, "int4-g32-asymf"), (Q.Q5_0, 6, "int6-g32-sym"),
-    (Q.Q8_0, 8, "int8-g32-sym"), (Q.Q4_K, 4, "int4-g32-asymf"), (Q.Q6_K, 6, "int6-g16-sym")])
+    (Q.Q8_0, 8, "int8-g32-sym"), (Q.Q4_K, 4, "int4-g32-asymf"), (Q.Q5_K, 6, "int6-g32-asymf"),
+    (Q.Q6_K, 6, "int6-g16-sym")])
 def test_block_types_keep_their_codes(qtype, bits, fmt):
     tensor = fake_tensor(qtype, 48, 512, np.random.default_rng(0))
     qw, is_exact = native_weight(tensor)
@@ -71,7 +78,7 @@ def test_block_types_keep_their_codes(qtype, bits, fmt):
 
 
 def test_unsupported_block_types_are_requantized_and_said_to_be_inexact():
-    tensor = fake_tensor(Q.Q5_K, 16, 512, np.random.default_rng(1))
+    tensor = fake_tensor(Q.Q3_K, 16, 512, np.random.default_rng(1))
     qw, is_exact = native_weight(tensor)
     assert not is_exact and qw.bits == 8 and qw.group_size == 32
     expected = gguf_values(tensor)
@@ -239,3 +246,22 @@ def test_the_tensor_index_matches_gguf_reader(quantized_gguf):
         assert bytes(mine.data) == np.ascontiguousarray(tensor.data).view(np.uint8).tobytes(), tensor.name
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_tensors(Path(__file__))
+
+
+@pytest.mark.usefixtures("each_isa")
+def test_q5_k_blocks_run_on_the_cpu_kernels():
+    # INT6 with float zeros (Q5_K's own codes): the kernel against its twin and the dense values.
+    from fastdraft.kernels.build import load_cpu_kernels
+    from fastdraft.kernels.x86 import X86WoqKernel, reference_woq_matmul
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C++ kernels")
+    qw, _ = native_weight(fake_tensor(Q.Q5_K, 37, 512, np.random.default_rng(2)))
+    kernel = X86WoqKernel(qw, torch.float32, torch.device("cpu"), large_m=None)
+    dense = dequantize(qw)
+    for m in (1, 3, 9):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        out, twin = kernel(x), reference_woq_matmul(x, qw)
+        scale = twin.abs().max().item()
+        assert (out.double() - twin).abs().max().item() <= 1e-5 * scale
+        assert (out - x @ dense.t()).abs().max().item() <= 2e-2 * scale
