@@ -53,14 +53,24 @@ _CORPUS = [
 TOKENIZER_VOCAB_SIZE = 320
 
 
-def build_tiny_tokenizer() -> Any:
-    """A Qwen2-style byte-level BPE (NFC, Qwen2 split regex, byte-level) trained on a tiny corpus."""
+# The split patterns of Llama 3's and Mistral-Nemo's (tekken) tokenizer.json files.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_tiny_tokenizer(pattern: str | None = None) -> Any:
+    """A byte-level BPE trained on a tiny corpus: Qwen2's (NFC, Qwen2 split regex, byte-level),
+    or with ``pattern``, a split regex of another family's and no normalizer (Llama 3, tekken)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
+    if pattern is None:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(pattern or QWEN2_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -219,7 +229,8 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str, quant_types: Any = None) -> None:
+def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str, quant_types: Any = None,
+                    pre: str = "qwen2") -> None:
     """Write ``hf_model`` (F32 tensors) and ``tok`` into a GGUF file like llama.cpp does.
 
     ``quant_types``: a function of the GGUF tensor name giving the ``GGMLQuantizationType``
@@ -260,7 +271,7 @@ def write_tiny_gguf(path: Path, hf_model: torch.nn.Module, tok: Any, arch: str, 
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
     token_types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     w.add_token_merges(tokenizer_merges(tok))

@@ -80,6 +80,15 @@ _LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral-Nemo's "tekken": upper-case runs split from lower-case ones, one digit at a time.
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# GGUF pre-tokenizer names the byte-level rebuild knows ("default" and "gpt-2": GPT-2's regex).
+BYTE_LEVEL_PRE_TOKENIZERS = ("default", "gpt-2", "qwen2", "llama-bpe", "llama3", "smollm", "tekken")
+
 _TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -328,17 +337,19 @@ def _byte_level_tokenizer(reader: Any, tokens: list[str]) -> Any:
         tokenizer.normalizer = normalizers.NFC()
         split = pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    elif pre in ("llama-bpe", "llama3"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False)
+    elif pre in ("llama-bpe", "llama3", "tekken"):
+        pattern = _TEKKEN_PATTERN if pre == "tekken" else _LLAMA3_PATTERN
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     elif pre == "smollm":
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
-    else:
-        logger.warning("unknown GGUF pre-tokenizer %r; using GPT-2 byte-level splitting", pre)
+    elif pre in ("default", "gpt-2"):
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:  # another split would tokenize text differently from the model's training: refused
+        raise GGUFError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(BYTE_LEVEL_PRE_TOKENIZERS)}")
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer

@@ -14,7 +14,8 @@ from fastdraft.layers.kv_cache import SequenceCache
 from fastdraft.models.gguf_convert import GGUFError, unpermute_llama, convert_gguf_to_hf
 from fastdraft.models.files import load_state_dict
 from fastdraft.tokenizer import Tokenizer
-from tests.helpers import CHAT_TEMPLATE, llama_cpp_permute, write_tiny_gguf
+from tests.helpers import (CHAT_TEMPLATE, LLAMA3_PATTERN, TEKKEN_PATTERN, build_tiny_tokenizer, llama_cpp_permute,
+                           write_tiny_gguf)
 
 CASES = [("llama", "llama"), ("llama_tied", "llama"), ("qwen2", "qwen2")]
 
@@ -171,3 +172,27 @@ def test_more_architectures_convert_to_the_same_logits(tiny_models, tiny_tokeniz
         logits = loaded.model.compute_logits(loaded.model(input_ids, meta.positions, cache.kv_cache, meta))
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("pre,pattern", [("llama-bpe", LLAMA3_PATTERN), ("tekken", TEKKEN_PATTERN)])
+def test_each_pre_tokenizer_rebuilds_its_source(tiny_models, tmp_path, pre, pattern):
+    # A byte-level BPE trained with that family's split, written with llama.cpp's name for it.
+    source = build_tiny_tokenizer(pattern)
+    (tmp_path / "src").mkdir()
+    source.save(str(tmp_path / "src" / "tokenizer.json"))
+    path = tmp_path / f"{pre}.gguf"
+    write_tiny_gguf(path, tiny_models.hf("llama"), source, "llama", pre=pre)
+    out = convert_gguf_to_hf(path, tmp_path / "hf", dtype=torch.float32)
+    ours, reference = Tokenizer(out), Tokenizer(tmp_path / "src")
+    for text in ["def add(a, b):\n    return a + b  # 12345", "HTTPServer getURLPath camelCase ALLCAPS",
+                 "héllo 日本語 😀 naïve Ünïcode", "  spaces\t\ttabs\n\n\n", "I'm THEY'LL we've 3.14159"]:
+        assert ours.encode(text) == reference.encode(text), text
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_unknown_pre_tokenizer_is_refused(tiny_models, tiny_tokenizer, tmp_path):
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, tiny_models.hf("llama"), tiny_tokenizer, "llama", pre="chameleon")
+    with pytest.raises(GGUFError, match="unsupported GGUF pre-tokenizer 'chameleon'; supported: default"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
