@@ -35,6 +35,7 @@ import torch
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine
 from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
+from fastdraft.model_config import ModelConfig
 from fastdraft.kernels.memory import huge_page_copy
 from fastdraft.models.files import parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
@@ -241,14 +242,12 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(a), 1)
 
 
-def kv_bytes_per_token(model_dir: Path, num_prompt: int, num_new: int) -> int:
+def kv_bytes_per_token(config: ModelConfig, num_prompt: int, num_new: int) -> int:
     """KV cache bytes a decode step reads at the run's mean context (16-bit keys and values,
     as both fastdraft's bf16 cache and llama.cpp's default f16 cache store them); a layer with
     a sliding window reads only its window."""
-    from fastdraft.model_config import ModelConfig
     from fastdraft.models.plan import decoder_plan
 
-    config = ModelConfig.from_file(model_dir / "config.json")
     mean_context = num_prompt + num_new / 2
     per_layer = config.kv_bytes_per_token(2) / config.num_hidden_layers
     windows = [layer.attention.sliding_window for layer in decoder_plan(config).layers]
@@ -350,6 +349,83 @@ def print_table(name: str, results: dict, num_prompt: int, kv_bytes: int, split_
                       f"(median {statistics.median(paired):.2f}x)")
 
 
+# Real models' shapes for --random-weights (their HF config.json fields that set the speed).
+RANDOM_CONFIGS = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def random_config(spec: str) -> ModelConfig:
+    """A preset of :data:`RANDOM_CONFIGS` or the path of an HF ``config.json``."""
+    if spec in RANDOM_CONFIGS:
+        return ModelConfig.from_dict(RANDOM_CONFIGS[spec])
+    path = Path(spec)
+    if not path.is_file():
+        raise SystemExit(f"--random-weights {spec!r}: neither a preset ({', '.join(RANDOM_CONFIGS)}) nor a config.json")
+    return ModelConfig.from_file(path)
+
+
+def setup_random(config: ModelConfig, dtype: str, quant: str, context_len: int) -> System:
+    """fastdraft on random weights of ``config``'s shape (drawn by transformers' own init),
+    quantized as ``quant`` says; a model without files runs on token ids."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastdraft.models.files import LoadedModel, build_model
+    from fastdraft.quant.quant_config import parse_quant_spec
+    from fastdraft.quant.quantizer import quantize_model
+
+    fields = {k: v for k, v in config.to_hf_dict().items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.model_type, **fields), dtype=torch.bfloat16)
+    model = build_model(config, {k: v.detach() for k, v in hf.state_dict().items()}, parse_dtype(dtype))
+    del hf
+    spec = parse_quant_spec(quant)
+    if spec.is_gguf_native:
+        raise SystemExit("--random-weights has no GGUF file: pass an RTN --quant spec")
+    quantize_model(model, spec, show_progress=False)
+    lm = LoadedModel(model=model, tokenizer=None, config=config, model_dir=None)
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=1, max_model_len=context_len, enable_prefix_caching=False))
+
+    def stream(ids: list[int], n: int) -> Iterator[int]:
+        request_id = engine.add_request(ids, SamplingParams(max_new_tokens=n, ignore_eos=True, detokenize=False))
+        for delta in engine.outputs(request_id):
+            yield from delta.new_token_ids
+
+    return System(stream, model.decode_weight_bytes())
+
+
+def bench_random(spec: str, args: argparse.Namespace) -> dict:
+    """Batch-1 decode and prefill of fastdraft on random weights of a config's shape, for each
+    RTN ``--quant``: the share of measured bandwidth it reaches, to set beside a real model's."""
+    config = random_config(spec)
+    gen = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(1000, config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    systems: dict[str, System] = {}
+    for quant in args.quant:
+        if "gguf" in quant:
+            continue
+        from fastdraft.quant.quant_config import parse_quant_spec
+
+        name = f"fastdraft {parse_quant_spec(quant).label}"
+        print(f"[random {spec}] building {name} ...", flush=True)
+        systems[name] = setup_random(config, args.dtype, quant, context_len(args))
+    results = run_interleaved(systems, prompt_ids, args)
+    for system in systems.values():
+        system.close()
+    systems.clear()
+    gc.collect()
+    print_table(f"random weights of {spec}", results, len(prompt_ids),
+                kv_bytes_per_token(config, len(prompt_ids), args.new_tokens), args.state_split_gbs)
+    return {"random_config": spec, "systems": results}
+
+
 def bench_model(name: str, args: argparse.Namespace) -> dict:
     model_dir = resolve_model_dir(name)  # pulls a known model on first use
     text = Path(os.__file__).read_text(encoding="utf-8")
@@ -388,7 +464,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         system.close()
     systems.clear()
     gc.collect()
-    kv_bytes = kv_bytes_per_token(model_dir, len(prompt_ids), args.new_tokens)
+    kv_bytes = kv_bytes_per_token(ModelConfig.from_file(model_dir / "config.json"), len(prompt_ids), args.new_tokens)
     print_table(name, results, len(prompt_ids), kv_bytes, args.state_split_gbs)
     record = {"prompt_source": os.__file__,
               "prompt_ids": prompt_ids, "systems": results}
@@ -403,7 +479,12 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", choices=list(KNOWN_MODELS),
-                        help="known model name (repeatable; default: both Qwen2.5-Coder models)")
+                        help="known model name (repeatable; default: both Qwen2.5-Coder models, unless "
+                             "--random-weights is given)")
+    parser.add_argument("--random-weights", action="append", default=[], metavar="CONFIG",
+                        help=f"also run fastdraft on random weights of a model's shape: a preset "
+                             f"({', '.join(RANDOM_CONFIGS)}) or an HF config.json path (repeatable); "
+                             "each RTN --quant spec runs, after the --model runs")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--prompt-tokens", type=int, default=1024)
@@ -443,10 +524,14 @@ def main() -> None:
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report = {"config": config, "torch": torch.__version__, "cpu": cpu_model(), "isa": isa,
               "load_avg_before": load, "models": {}}
-    for name in args.model or DEFAULT_MODELS:
+    for name in args.model or ([] if args.random_weights else DEFAULT_MODELS):
         report["models"][name] = bench_model(name, args)
         gc.collect()
         write_json(args.json, report)  # after each model, so a later crash keeps earlier results
+    for spec in args.random_weights:
+        report["models"][f"random:{spec}"] = bench_random(spec, args)
+        gc.collect()
+        write_json(args.json, report)
     print(f"\nresults written to {args.json}")
 
 
