@@ -47,6 +47,9 @@ class _Layer:
         self.down_proj = mlp.down_proj
         self.input_norm = getattr(layer, plan.pre_attention_norm.name)
         self.post_norm = getattr(layer, plan.pre_mlp_norm.name)
+        # Qwen3's RMSNorm over each query and key head, before rotary (None: not in the plan).
+        self.q_norm = getattr(attn, spec.q_norm.name) if spec.q_norm is not None else None
+        self.k_norm = getattr(attn, spec.k_norm.name) if spec.k_norm is not None else None
 
 
 class CudaDecoder:
@@ -59,7 +62,7 @@ class CudaDecoder:
 
     NAME = "the CUDA step"
     # The plan's features beyond the plain Llama layer that this executor runs (models/plan.py).
-    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap"})
+    IMPLEMENTS = frozenset({"embedding_scale", "final_logit_softcap", "qk_norm"})
     has_head = False
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, min_rows: int) -> None:
@@ -116,6 +119,10 @@ class CudaDecoder:
             heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
             qkv = layer.qkv(hidden)  # [num_rows, (heads + 2 * kv_heads) * head_dim]
             q_and_k = qkv[:num_tokens, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+            for norm, part in ((layer.q_norm, q_and_k[:, :heads]), (layer.k_norm, q_and_k[:, heads:])):
+                if norm is not None:  # each head's rows normed, written back in place
+                    rows = part.reshape(-1, dim).contiguous()  # [num_tokens * heads, head_dim]
+                    part.copy_(triton_ops.triton_rms_norm(rows, norm.weight, norm.eps).view(part.shape))
             triton_ops.rotary_(q_and_k, positions, cos, sin)
             v = qkv[:num_tokens, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
             k_layer, v_layer = kv_cache.k[i], kv_cache.v[i]

@@ -117,7 +117,7 @@ class DecoderPlan:
                 found.add("missing_pre_norm")
             if layer.post_attention_norm is not None or layer.post_mlp_norm is not None:
                 found.add("post_norm")
-            if any(n.is_offset for n in layer.norms()):
+            if any(n.is_offset for n in layer.norms() + [n for n in (attn.q_norm, attn.k_norm) if n is not None]):
                 found.add("offset_norm")
             if len({n.eps for n in layer.norms()}) > 1:
                 found.add("mixed_norm_eps")

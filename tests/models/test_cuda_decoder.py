@@ -42,7 +42,7 @@ def _steps(vocab_size: int):
     return tokens, tables, steps
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "llama_tied", "qwen3", "mistral_nemo", "rope_yarn"])
 @torch.inference_mode()
 def test_gpu_step_matches_the_module_path(tiny_models, variant):
     loaded = load_model(tiny_models.dir(variant), dtype="fp32", device=DEVICE)
