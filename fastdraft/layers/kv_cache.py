@@ -75,9 +75,10 @@ class PagedKVCache:
         self.v = huge_page_zeros(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windowed_layers = tuple(windowed_layers)
-        for layer in self.windowed_layers:  # released a block at a time: no 2 MiB pages there
-            small_pages(self.k[layer])
-            small_pages(self.v[layer])
+        for layer in self.windowed_layers:  # released a block at a time: no 2 MiB pages there,
+            for pool in (self.k[layer], self.v[layer]):  # nor any brought in already by a
+                small_pages(pool)  # neighbour's huge page (they read as zeros, as they were)
+                release_pages(pool)
 
     def release_window_blocks(self, block_ids: list[int]) -> int:
         """Return the windowed layers' part of ``block_ids`` to the OS (the pages wholly inside
