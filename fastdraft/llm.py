@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from tqdm.auto import tqdm
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.output import RequestOutput
+from fastdraft.engine.tool_calls import check_tools, message_calls, template_messages
+from fastdraft.engine.tool_parsers import tool_parser_for
 from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
 from fastdraft.speculative.speculative_config import SpeculativeConfig
@@ -89,12 +92,36 @@ class LLM:
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
             return run_to_completion(self.engine, list(prompts), per_prompt, progress)
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True) -> RequestOutput:
         """Complete a conversation ([{"role": ..., "content": ...}]) rendered with the chat
-        template; ``chat_template_kwargs``: the template's own variables (``enable_thinking``)."""
-        return run_to_completion(self.engine, [self.tokenizer.encode_chat(messages, chat_template_kwargs)],
-                                 [sampling_params or SamplingParams()])[0]
+        template; ``chat_template_kwargs``: the template's own variables (``enable_thinking``).
+        ``tools`` (OpenAI's function tools) and ``tool_choice`` as the server takes them: the
+        output's ``tool_calls`` are then the calls parsed from its text (``text`` keeps the
+        rest), constrained to parse and validate under ``required`` or a named function.
+        ``ValueError`` for bad tools."""
+        params = sampling_params or SamplingParams()
+        use = check_tools(tools, tool_choice, parallel_tool_calls, tool_parser_for(self.tokenizer.chat_template))
+        constraint = use.constraint(self._single_token) if use is not None else None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("a required tool call cannot also follow structured_outputs")
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        rendered_tools = tools if tools and tool_choice != "none" else None
+        prompt = self.tokenizer.encode_chat(template_messages(messages), chat_template_kwargs, rendered_tools)
+        output = run_to_completion(self.engine, [prompt], [params])[0]
+        if use is not None:
+            for completion in output.outputs:
+                parsed = use.parse(completion.text)
+                completion.text, completion.tool_calls = parsed.content or "", message_calls(parsed)
+                if completion.tool_calls and completion.finish_reason == "stop":
+                    completion.finish_reason = "tool_calls"
+        return output
+
+    def _single_token(self, text: str) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
 
 class PretrainedCausalLM:

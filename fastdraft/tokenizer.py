@@ -98,30 +98,35 @@ class Tokenizer:
         self.chat_template = template
         self.__dict__.pop("_template", None)  # the compiled template of the previous one
 
-    def encode_chat(self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids for chat ``messages``: rendered with the chat template, which
         writes the special tokens itself. ``ValueError`` for malformed messages or no template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("the prompt is empty (no chat messages)")
-        return self.encode(self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs),
+        return self.encode(self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs, tools=tools),
                            add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
-        ``chat_template_kwargs``: the template's own variables (Qwen3's ``enable_thinking``, say),
-        as HF's ``apply_chat_template`` and vLLM take them."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]; an assistant's may carry
+        ``tool_calls`` instead of content) with the model's chat template, and ``tools``
+        (OpenAI's function tools) as the template's ``tools``. ``chat_template_kwargs``: the
+        template's own variables (Qwen3's ``enable_thinking``, say), as HF's
+        ``apply_chat_template`` and vLLM take them."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
                 raise ValueError("each chat message must be a dict with 'role' and 'content'")
         variables = dict(chat_template_kwargs or {})
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(variables)
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(variables)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     tools=tools or None, **variables)
 
 
 @dataclass

@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV-cache pool size (default: a quarter of the available memory)")
     srv.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
     srv.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                     help="the model's tool-call format (default: the one its chat template writes)")
     srv.add_argument("--speculative", metavar="self|ngram|MODEL", default=None,
                      help="speculative decoding inside the engine's batches: the target's own INT4 copy, prompt "
                           "lookup, or a draft model of the same tokenizer")
@@ -209,7 +211,8 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                                  enable_prefix_caching=not args.no_enable_prefix_caching)
     template = read_chat_template(args.chat_template) if args.chat_template else None
     config = ServerConfig(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-                          max_queue=args.max_queue, chat_template=template, engine_process=args.engine_process)
+                          max_queue=args.max_queue, chat_template=template, engine_process=args.engine_process,
+                          tool_call_parser=args.tool_call_parser)
     # A partial of a module-level function: picklable, for an engine in its own process.
     speculation = None
     if args.speculative:

@@ -9,6 +9,7 @@ pickle, from an engine process) at the first token and at the thousandth.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdraft.engine.metrics import GenerationMetrics, SpecMetrics
 
@@ -53,6 +54,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[Logprob] | None = None
+    # With tools (LLM.chat): the calls parsed out of ``text``, each {"id", "type", "function":
+    # {"name", "arguments"}} as OpenAI's message.tool_calls; None without tools.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -40,6 +40,8 @@ from fastdraft.server.engine_process import EngineProcess
 from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
                                        error_body)
+from fastdraft.engine.tool_calls import ToolError, ToolUse, check_tools, message_calls, template_messages
+from fastdraft.engine.tool_parsers import ToolCallStream, tool_parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 256
     chat_template: str | None = None  # a Jinja template replacing the model's own
+    tool_call_parser: str | None = None  # the model's tool-call format (default: from its chat template)
     # The engine's step loop in a child process (EngineProcess) instead of a thread
     # (AsyncEngine); load_engine must then be picklable.
     engine_process: bool = False
@@ -66,6 +69,8 @@ class ServerConfig:
             raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None:
+            tool_parser_for(None, self.tool_call_parser)  # ValueError naming the known ones
 
 
 class _State:
@@ -181,7 +186,8 @@ def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: Serve
         try:
             body.check_extra()
             check_model(body.model)
-            jobs = _jobs(engine, body, is_chat)
+            tool_use = _tool_use(engine, body, config) if is_chat else None
+            jobs = _jobs(engine, body, is_chat, tool_use)
         except RequestError as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return error(e.status, str(e), kind, e.param, e.code)
@@ -194,7 +200,7 @@ def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: Serve
             return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         except ValueError as e:  # the engine refused it (no room in its cache)
             return error(400, str(e), "invalid_request_error", "messages" if is_chat else "prompt")
-        render = _ChatRender(engine, body) if is_chat else _CompletionRender(engine, body)
+        render = _ChatRender(engine, body, tool_use) if is_chat else _CompletionRender(engine, body)
         if body.stream:
             return StreamingResponse(_sse(streams, render, metrics, request_id, created, body),
                                      media_type="text/event-stream")
@@ -213,14 +219,40 @@ def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: Serve
     return app
 
 
+def _tool_use(engine: EngineClient, body: ChatCompletionRequest, config: ServerConfig) -> ToolUse | None:
+    """The request's tool use, its required call's grammar set as the output's constraint."""
+    parser = tool_parser_for(engine.info.tokenizer.chat_template, config.tool_call_parser)
+    try:
+        use = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+    except ToolError as e:
+        raise RequestError(str(e), param=e.param) from None
+    tokenizer = engine.info.tokenizer
+
+    def single_token(text: str) -> int | None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    constraint = use.constraint(single_token) if use is not None else None
+    if constraint is not None:
+        if body._constraint is not None:
+            raise RequestError("a required tool call cannot also follow response_format or structured_outputs",
+                               param="tool_choice")
+        body._constraint = constraint
+    return use
+
+
 def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
-          is_chat: bool) -> list[tuple[list[int], object]]:
+          is_chat: bool, tool_use: ToolUse | None = None) -> list[tuple[list[int], object]]:
     """(prompt token ids, SamplingParams) per choice: ``n`` per prompt, each checked as the
     engine checks it. Text is tokenized here, once, as the engine would tokenize it."""
     tokenizer, vocab_size, max_model_len = engine.info.tokenizer, engine.info.vocab_size, engine.info.max_model_len
     if is_chat:
         try:
-            prompts = [tokenizer.encode_chat(body.conversation(), body.chat_template_kwargs)]
+            tools = body.tools if body.tools and body.tool_choice != "none" else None
+            messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
+            prompts = [tokenizer.encode_chat(template_messages(messages), body.chat_template_kwargs, tools)]
+        except ToolError as e:
+            raise RequestError(str(e), param=e.param) from None
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise RequestError(str(e), param=param) from None
@@ -318,9 +350,12 @@ class _CompletionRender:
 
 
 class _ChatRender:
-    def __init__(self, engine: EngineClient, body: ChatCompletionRequest) -> None:
+    def __init__(self, engine: EngineClient, body: ChatCompletionRequest, tool_use: ToolUse | None = None) -> None:
         self.tokenizer = engine.info.tokenizer
         self.body = body
+        self.tool_use = tool_use
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
+        self._num_streamed_calls: dict[int, int] = {}
 
     def _logprobs(self, token_ids: list[int], entries) -> dict | None:
         if not self.body.logprobs:
@@ -334,15 +369,50 @@ class _ChatRender:
                             for token, (lp, top) in zip(token_ids, entries)]}
 
     def choice(self, index: int, request: RequestCollector) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": request.text},
-                "finish_reason": request.finish_reason,
+        message: dict = {"role": "assistant", "content": request.text}
+        finish_reason = request.finish_reason
+        if self.tool_use is not None:
+            parsed = self.tool_use.parse(request.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = message_calls(parsed)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(request.token_ids, request.logprobs or [])}
 
     def chunk(self, index: int, deltas: list[RequestDelta], is_first: bool) -> dict:
         text = "".join(d.new_text for d in deltas)
+        finish_reason = deltas[-1].finish_reason
+        calls: list[dict] = []
+        if self.tool_use is not None:
+            text, calls = self._tool_pieces(index, text, finish_reason is not None)
+            if finish_reason == "stop" and self._num_streamed_calls.get(index):
+                finish_reason = "tool_calls"
         message = {"role": "assistant", "content": text} if is_first else {"content": text}
-        return {"index": index, "delta": message, "finish_reason": deltas[-1].finish_reason,
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "delta": message, "finish_reason": finish_reason,
                 "logprobs": self._logprobs(*_tokens_and_logprobs(deltas))}
+
+    def _tool_pieces(self, index: int, text: str, is_last: bool) -> tuple[str, list[dict]]:
+        """This chunk's content and ``delta.tool_calls`` of choice ``index``, its reply parsed as
+        it streams (one call only without ``parallel_tool_calls``)."""
+        stream = self._tool_streams.setdefault(index, self.tool_use.parser.stream())
+        content, deltas = stream.feed(text)
+        if is_last:
+            more, late = stream.finish()
+            content, deltas = content + more, deltas + late
+        calls = []
+        for delta in deltas:
+            if delta.index > 0 and not self.tool_use.is_parallel:
+                continue
+            if delta.name is not None:
+                self._num_streamed_calls[index] = delta.index + 1
+                calls.append({"index": delta.index, "id": delta.id, "type": "function",
+                              "function": {"name": delta.name, "arguments": ""}})
+            else:
+                calls.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+        return content, calls
 
     object_name = "chat.completion.chunk"
 

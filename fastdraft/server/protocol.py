@@ -30,8 +30,8 @@ from fastdraft.sampling_params import Constraint, SamplingParams
 MAX_N = 16
 MAX_LOGPROBS = 20
 
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-REFUSED = frozenset({"tools", "tool_choice", "functions", "function_call", "suffix", "audio", "modalities",
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+REFUSED = frozenset({"functions", "function_call", "suffix", "audio", "modalities",
                      "prediction", "reasoning_effort", "web_search_options"})
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -238,6 +238,10 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # The chat template's own variables (Qwen3's enable_thinking), as vLLM takes them.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Function tools (engine/tool_calls.py checks them against the model's call format).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod

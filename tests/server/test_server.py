@@ -249,7 +249,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function"}]}, 400, "tools"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0]"),
 ]
 
 

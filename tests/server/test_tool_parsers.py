@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fastdraft.server.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, ParsedOutput,
+from fastdraft.engine.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, ParsedOutput,
                                            ToolParser, tool_parser_for)
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
@@ -94,3 +94,13 @@ def test_rendered_calls_parse_back():
     for parser in (HermesToolParser(), Llama3JsonToolParser(), MistralToolParser()):
         parsed = parser.parse(parser.render_call("get_weather", json.dumps(WEATHER)))
         assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", WEATHER)]
+
+
+def test_hermes_takes_a_reply_of_untagged_calls():
+    # Qwen2.5-Coder-0.5B writes its call without the tags; ordinary JSON stays content.
+    parser = HermesToolParser()
+    reply = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    _check(parser.parse(reply), None, [("get_weather", WEATHER)])
+    assert _streamed(parser, list(reply))[1][0][0] == "get_weather"
+    _check(parser.parse('{"name": "Ada", "age": 36}'), '{"name": "Ada", "age": 36}', [])
+    assert _streamed(parser, list('{"answer": 4}')) == ('{"answer": 4}', [])

@@ -112,7 +112,8 @@ class ToolParser(ABC):
 
 class HermesToolParser(ToolParser):
     """Hermes / Qwen2.5 / Qwen3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-    one block per call, text around them the content."""
+    one block per call, text around them the content. Small models often drop the tags: a reply
+    that is nothing but such objects counts as calls too."""
 
     NAME = "hermes"
     TRIGGER = "<tool_call>"
@@ -130,11 +131,26 @@ class HermesToolParser(ToolParser):
             last = match.end()
             calls.append(call)
         pieces.append(text[last:])
+        if not calls:
+            bare = _bare_calls(text)
+            if bare:
+                return ParsedOutput(None, tuple(bare))
         content = "".join(pieces) if calls else text
         return ParsedOutput(content if content.strip() else None, tuple(calls))
 
     def render_call(self, name: str, arguments: str) -> str:
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
+
+
+def _bare_calls(text: str) -> list[ParsedToolCall]:
+    """The calls of a reply that is only ``{"name": ..., "arguments": {...}}`` objects (none if
+    it is anything else, or an object lacks either key)."""
+    body = text.strip()
+    values = _json_values(body) if body.startswith("{") else None
+    if not values or not all(isinstance(v, dict) and set(v) == {"name", "arguments"} for v in values):
+        return []
+    calls = [_call(v, "arguments") for v in values]
+    return [] if any(c is None for c in calls) else calls
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -213,7 +229,8 @@ class ToolCallStream:
         self._held = ""  # text not yet sent: a possible trigger, or a call being written
         self._in_call = False
         self._num_calls = 0
-        self._started = False  # any non-space text seen (Llama 3's call must open the reply)
+        self._started = False  # any non-space text seen (a bare JSON call must open the reply)
+        self._is_whole_reply = False  # the reply is held to its end and parsed whole
 
     def _deltas(self, calls: tuple[ParsedToolCall, ...]) -> list[ToolCallDelta]:
         out = []
@@ -226,8 +243,16 @@ class ToolCallStream:
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._held += text
         parser = self.parser
-        if isinstance(parser, Llama3JsonToolParser):
+        if isinstance(parser, Llama3JsonToolParser) or self._is_whole_reply:
             return self._feed_whole_reply()
+        if isinstance(parser, HermesToolParser) and not self._started:
+            stripped = self._held.lstrip()
+            if not stripped:
+                return "", []
+            self._started = True
+            if stripped.startswith("{"):  # a call without its tags, perhaps: held to the end
+                self._is_whole_reply = True
+                return self._feed_whole_reply()
         content, deltas = "", []
         while True:
             if not self._in_call:
