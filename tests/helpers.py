@@ -28,6 +28,9 @@ QWEN2_PATTERN = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
+    # Tools as Qwen2.5's template lists them (so that tool calls parse in the Hermes format).
+    "{% if tools %}{{ '<|im_start|>system\\nCall a tool: <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>\\n' }}{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"

@@ -73,8 +73,8 @@ def test_readme_python_snippet_runs(index, tiny_models, tmp_path, monkeypatch):
     server = None
     if "http://127.0.0.1:8000" in code:  # a client snippet: a live server on the tiny model answers it
         name = str(tiny_models.dir("qwen2"))
-        server = LiveServer(load_model(name, dtype="bf16"), EngineConfig(num_blocks=128, block_size=4,
-                                                                         max_model_len=128), name)
+        server = LiveServer(load_model(name, dtype="bf16"), EngineConfig(num_blocks=256, block_size=4,
+                                                                         max_model_len=512), name)
         code = code.replace("http://127.0.0.1:8000", server.url)
     out = io.StringIO()
     try:
