@@ -142,10 +142,17 @@ class HermesToolParser(ToolParser):
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
 
 
+_FENCE = re.compile(r"^```(?:json)?\s*\n(.*?)\n?```$", re.DOTALL)
+_FENCE_OPENING = re.compile(r"```(?:json)?[ \t]*\n\s*")
+
+
 def _bare_calls(text: str) -> list[ParsedToolCall]:
-    """The calls of a reply that is only ``{"name": ..., "arguments": {...}}`` objects (none if
-    it is anything else, or an object lacks either key)."""
+    """The calls of a reply that is only ``{"name": ..., "arguments": {...}}`` objects, bare or
+    in one Markdown code fence (none if it is anything else, or an object lacks either key)."""
     body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1).strip()
     values = _json_values(body) if body.startswith("{") else None
     if not values or not all(isinstance(v, dict) and set(v) == {"name", "arguments"} for v in values):
         return []
@@ -231,6 +238,7 @@ class ToolCallStream:
         self._num_calls = 0
         self._started = False  # any non-space text seen (a bare JSON call must open the reply)
         self._is_whole_reply = False  # the reply is held to its end and parsed whole
+        self._is_text = False  # the reply began as text
 
     def _deltas(self, calls: tuple[ParsedToolCall, ...]) -> list[ToolCallDelta]:
         out = []
@@ -250,7 +258,7 @@ class ToolCallStream:
             if not stripped:
                 return "", []
             self._started = True
-            if stripped.startswith("{"):  # a call without its tags, perhaps: held to the end
+            if stripped.startswith(("{", "`")):  # a call without its tags, perhaps: held to the end
                 self._is_whole_reply = True
                 return self._feed_whole_reply()
         content, deltas = "", []
@@ -279,6 +287,9 @@ class ToolCallStream:
             self._in_call = False
 
     def _feed_whole_reply(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._is_text:  # the reply began as text: a call cannot follow (Llama 3's opens it)
+            content, self._held = self._held, ""
+            return content, []
         stripped = self._held.lstrip()
         if self._in_call:
             return "", []
@@ -290,7 +301,19 @@ class ToolCallStream:
             return "", []
         if trigger.startswith(stripped):
             return "", []  # may still become the trigger
+        if isinstance(self.parser, HermesToolParser) and stripped.startswith("`"):
+            fence = _FENCE_OPENING.match(stripped)  # a fenced call opens "```json" and "{"
+            if fence is None:
+                if any(opening.startswith(stripped) for opening in ("```json\n", "```\n")):
+                    return "", []  # the fence's first line is not complete yet
+            elif not stripped[fence.end():]:
+                return "", []
+            elif stripped[fence.end():].startswith("{"):
+                self._in_call = True
+                return "", []
         content, self._held = self._held, ""
+        self._is_whole_reply = isinstance(self.parser, Llama3JsonToolParser)  # Hermes: tags may follow
+        self._is_text = True
         return content, []
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:

@@ -103,4 +103,11 @@ def test_hermes_takes_a_reply_of_untagged_calls():
     _check(parser.parse(reply), None, [("get_weather", WEATHER)])
     assert _streamed(parser, list(reply))[1][0][0] == "get_weather"
     _check(parser.parse('{"name": "Ada", "age": 36}'), '{"name": "Ada", "age": 36}', [])
+    fenced = f"```json\n{reply}\n```"
+    _check(parser.parse(fenced), None, [("get_weather", WEATHER)])
+    assert _streamed(parser, list(fenced))[1][0][0] == "get_weather"
+    assert _streamed(parser, list("```python\nprint(1)\n```")) == ("```python\nprint(1)\n```", [])
+    # Llama 3: a reply that began as text stays text, whatever JSON follows.
+    text = 'Here it is: {"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert _streamed(Llama3JsonToolParser(), list(text)) == (text, [])
     assert _streamed(parser, list('{"answer": 4}')) == ('{"answer": 4}', [])
