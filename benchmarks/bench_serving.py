@@ -68,8 +68,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                      extra: dict | None = None) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                      extra: dict | None = None, is_chat: bool = False) -> RequestResult:
+    """One streamed completion (or, with ``is_chat``, a chat completion of ``prompt`` as the user's message)."""
+    text = {"messages": [{"role": "user", "content": prompt}]} if is_chat else {"prompt": prompt}
+    body = {"model": model, **text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
     for attempt in range(2):
         result = await _stream_once(client, url, body)
@@ -86,7 +88,8 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> Reque
     num_chunks, usage_tokens = 0, None
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with client.stream("POST", f"{url}{path}", json=body, timeout=600) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -96,7 +99,9 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> Reque
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                choice = (chunk.get("choices") or [{}])[0]
+                delta = choice.get("delta") or {}
+                if not (choice.get("text") or delta.get("content") or delta.get("tool_calls")):
                     continue
                 now = time.perf_counter()
                 if num_chunks == 0:
@@ -115,7 +120,8 @@ async def _stream_once(client: httpx.AsyncClient, url: str, body: dict) -> Reque
 
 
 async def closed_loop(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                      max_tokens: int, extras: list[dict | None] | None = None) -> tuple[list[RequestResult], float]:
+                      max_tokens: int, extras: list[dict | None] | None = None,
+                      is_chat: bool = False) -> tuple[list[RequestResult], float]:
     """``num_requests`` streamed requests, ``concurrency`` at a time; request ``i`` takes
     ``prompts[i % len(prompts)]`` and, with ``extras``, ``extras[i % len(extras)]``'s fields."""
     queue = list(range(num_requests))
@@ -126,7 +132,8 @@ async def closed_loop(url: str, model: str, prompts: list[str], concurrency: int
             while queue:
                 i = queue.pop()
                 extra = extras[i % len(extras)] if extras else None
-                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, extra))
+                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, extra,
+                                                 is_chat))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -185,6 +192,35 @@ def _structured(args: argparse.Namespace, url: str, tokenizer: Tokenizer, concur
     ratio = statistics.median(tok_s["half constrained"]) / statistics.median(tok_s["free"])
     print(f"structured: half constrained / free = {ratio:.3f}x output tok/s", flush=True)
     return {"output_tok_s": tok_s, "ratio": ratio, "concurrency": concurrency, "requests": num}
+
+
+def _tools(args: argparse.Namespace, url: str, tokenizer: Tokenizer, concurrency: int, lines: list[str]) -> dict:
+    """Chat requests, half of them calling a tool under ``tool_choice: required`` (its arguments
+    long enough to run to max_tokens, like the free ones), against the same load without tools:
+    output tokens/s and TPOT p50, interleaved over --rounds."""
+    tool = {"type": "function", "function": {"name": "record_items", "parameters": STRUCTURED_SCHEMA}}
+    extra = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    num = 2 * concurrency
+    pool = make_prompts(tokenizer, 2 * args.rounds * num, args.prompt_tokens, args.seed + 3)
+    runs = [(name, extras) for _ in range(args.rounds)
+            for name, extras in (("chat, no tools", None), ("chat, half with tools", [extra, None]))]
+    tok_s: dict[str, list[float]] = {name: [] for name, _ in runs[:2]}
+    tpot: dict[str, list[float]] = {name: [] for name, _ in runs[:2]}
+    for run_index, (name, extras) in enumerate(runs):
+        prompts = pool[run_index * num:(run_index + 1) * num]
+        summary = summarize(*asyncio.run(closed_loop(url, args.model, prompts, concurrency, num, args.max_tokens,
+                                                     extras, is_chat=True)))
+        tok_s[name].append(summary["output_tok_s"])
+        tpot[name].append(summary["tpot_p50_s"])
+        lines.append(row_text(f"fastdraft, {name}", f"concurrency {concurrency}", summary))
+        print(lines[-1], flush=True)
+    free, tools = "chat, no tools", "chat, half with tools"
+    ratio = statistics.median(tok_s[tools]) / statistics.median(tok_s[free])
+    decode_ratio = statistics.median(tpot[free]) / statistics.median(tpot[tools])
+    print(f"tools: half with tools / none = {ratio:.3f}x output tok/s, {decode_ratio:.3f}x decode (TPOT p50)",
+          flush=True)
+    return {"output_tok_s": tok_s, "tpot_p50_s": tpot, "ratio": ratio, "decode_ratio": decode_ratio,
+            "concurrency": concurrency, "requests": num}
 
 
 def wait_ready(url: str, process: subprocess.Popen | None = None, timeout_s: float = 600) -> None:
@@ -272,6 +308,9 @@ def main() -> None:
     parser.add_argument("--structured", action="store_true",
                         help="also half the requests held to a JSON schema against none, at the largest "
                              "concurrency, interleaved over --rounds")
+    parser.add_argument("--tools", action="store_true",
+                        help="also chat requests, half calling a tool (tool_choice required), against none, at "
+                             "the largest concurrency, interleaved over --rounds")
     parser.add_argument("--shared-requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-modes", default="thread",
@@ -369,6 +408,8 @@ def main() -> None:
             lines.append(row_text("fastdraft", load, summary))
         if args.structured:
             results["structured"] = _structured(args, fastdraft_url, tokenizer, max(args.concurrency), lines)
+        if args.tools:
+            results["tools"] = _tools(args, fastdraft_url, tokenizer, max(args.concurrency), lines)
         if args.shared_prefix:
             system_prompt = make_prompts(tokenizer, 1, args.shared_prefix_tokens, args.seed + 1)[0]
             shared = [f"{system_prompt}\n# Question {i}: what does this code do?\n" for i in range(args.shared_requests)]

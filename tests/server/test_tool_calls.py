@@ -134,3 +134,41 @@ def test_llm_chat_returns_the_same_parsed_calls(real_model_dir):
     assert "city" in json.loads(completion.tool_calls[0]["function"]["arguments"])
     with pytest.raises(ValueError, match="tool_choice names 'nope'"):
         llm.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_langchain_agent_runs_a_two_tool_task(live):
+    # An agent framework from PyPI as users point them at a local server: it calls a tool, gets
+    # the result back as a tool message, and answers.
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return json.dumps({"city": city, "temperature_c": 18, "sky": "clear"})
+
+    @tool
+    def get_stock_price(ticker: str) -> str:
+        """The latest price of a stock ticker."""
+        return json.dumps({"ticker": ticker, "price": 123.4})
+
+    tools = {t.name: t for t in (get_weather, get_stock_price)}
+    model = ChatOpenAI(base_url=f"{live.url}/v1", api_key="none", model=MODEL, temperature=0, max_tokens=100,
+                       max_retries=0)
+    messages = [HumanMessage("What is the weather like in Paris right now? Use the tool.")]
+    reply = model.bind_tools(list(tools.values()), tool_choice="required").invoke(messages)
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    # The agent's loop, bounded as frameworks bound it: run the calls, send the results back,
+    # and on the last turn ask for the answer (tool_choice none).
+    for turn in range(3):
+        messages += [reply, *(ToolMessage(tools[c["name"]].invoke(c["args"]), tool_call_id=c["id"])
+                              for c in reply.tool_calls)]
+        reply = model.bind_tools(list(tools.values()), tool_choice="none" if turn == 2 else "auto").invoke(messages)
+        if not reply.tool_calls:
+            break
+    # The 0.5B model's final words vary (it may restate its call); the framework's round trip is
+    # what is under test: a text answer after the tool results went back.
+    assert not reply.tool_calls and reply.content.strip()
+    assert [type(m).__name__ for m in messages[:3]] == ["HumanMessage", "AIMessage", "ToolMessage"]
