@@ -34,12 +34,13 @@ inline Vf exp_approx(Vf x) {
 }
 
 // Columns [c0, c1) of one RMSNorm row over s = round(a + b) (b null: s = a): out = w *
-// round(s * inv_rms(s)), and sum = s where sum is not null. The sum of squares covers the whole
-// row in 16 fused lanes, column i in lane i % 16, reduced in AVX-512's reduce-add order (as
-// the oracle): any column split gives the whole op's values.
-template <typename T>
-void rms_norm_row_of(const T* a, const T* b, const T* w, T* sum, T* out, int64_t h, float eps, int64_t c0,
-                     int64_t c1) {
+// round(s * inv_rms(s)), or with kOffset (Gemma's kind, w fp32 1 + weight) out = round(w * (s *
+// inv_rms(s))), one rounding at the end; sum = s where sum is not null. The sum of squares covers
+// the whole row in 16 fused lanes, column i in lane i % 16, reduced in AVX-512's reduce-add
+// order (as the oracle): any column split gives the whole op's values.
+template <typename T, bool kOffset, typename W>
+void rms_norm_row_kind(const T* a, const T* b, const W* w, T* sum, T* out, int64_t h, float eps, int64_t c0,
+                       int64_t c1) {
   constexpr int L = simd::kLanes, kVecs16 = 16 / L;
   auto value = [&](int64_t i, int64_t n) {
     const Vf v = simd::load(a + i, n);
@@ -58,34 +59,21 @@ void rms_norm_row_of(const T* a, const T* b, const T* w, T* sum, T* out, int64_t
     const int64_t n = c1 - c;
     const Vf v = value(c, n);
     if (sum) simd::store(sum + c, v, n);
-    simd::store(out + c, simd::mul(simd::load(w + c, n), to_type<T>(simd::mul(v, inv))), n);
+    const Vf normed = simd::mul(v, inv);
+    simd::store(out + c, simd::mul(simd::load(w + c, n), kOffset ? normed : to_type<T>(normed)), n);
   }
 }
 
-// rms_norm_row_of's offset kind (Gemma): out = round(w1 * (s * inv_rms(s))) in fp32, w1 fp32.
+template <typename T>
+void rms_norm_row_of(const T* a, const T* b, const T* w, T* sum, T* out, int64_t h, float eps, int64_t c0,
+                     int64_t c1) {
+  rms_norm_row_kind<T, false>(a, b, w, sum, out, h, eps, c0, c1);
+}
+
 template <typename T>
 void rms_norm_offset_row_of(const T* a, const T* b, const float* w1, T* sum, T* out, int64_t h, float eps, int64_t c0,
                             int64_t c1) {
-  constexpr int L = simd::kLanes, kVecs16 = 16 / L;
-  auto value = [&](int64_t i, int64_t n) {
-    const Vf v = simd::load(a + i, n);
-    return b ? to_type<T>(simd::add(v, simd::load(b + i, n))) : v;
-  };
-  Vf ss[kVecs16];
-  for (int v = 0; v < kVecs16; ++v) ss[v] = simd::zero();
-  for (int64_t i = 0; i < h; i += 16)
-    for (int v = 0; v < kVecs16; ++v) {
-      const Vf x = value(i + L * v, h - i - L * v);  // zeros past h
-      ss[v] = simd::fmadd(x, x, ss[v]);
-    }
-  for (int v = 1; v < kVecs16; ++v) ss[0] = simd::add(ss[0], ss[v]);
-  const Vf inv = simd::set1(1.0f / std::sqrt(simd::hsum(ss[0]) / static_cast<float>(h) + eps));
-  for (int64_t c = c0; c < c1; c += L) {
-    const int64_t n = c1 - c;
-    const Vf v = value(c, n);
-    if (sum) simd::store(sum + c, v, n);
-    simd::store(out + c, simd::mul(simd::load(w1 + c, n), simd::mul(v, inv)), n);
-  }
+  rms_norm_row_kind<T, true>(a, b, w1, sum, out, h, eps, c0, c1);
 }
 
 // out = round(gelu_tanh(gate)) * up, L values (n of them): g / (1 + exp(-2u)), as generic.h.
@@ -99,15 +87,6 @@ inline void gelu_tanh_mul_vec(const T* gate, const T* up, T* out, int64_t n) {
   simd::store(out, simd::mul(s, simd::load(up, n)), n);
 }
 
-template <typename T>
-void gelu_tanh_mul_of(const T* gate, const T* up, T* out, int64_t n) {
-  constexpr int L = simd::kLanes;
-  int64_t i = 0;
-  for (; i + 4 * L <= n; i += 4 * L)
-    for (int v = 0; v < 4; ++v) gelu_tanh_mul_vec(gate + i + L * v, up + i + L * v, out + i + L * v, L);
-  for (; i < n; i += L) gelu_tanh_mul_vec(gate + i, up + i, out + i, n - i);
-}
-
 // out = round(silu(gate)) * up, L values (n of them).
 template <typename T>
 inline void silu_mul_vec(const T* gate, const T* up, T* out, int64_t n) {
@@ -117,14 +96,26 @@ inline void silu_mul_vec(const T* gate, const T* up, T* out, int64_t n) {
   simd::store(out, simd::mul(s, simd::load(up, n)), n);
 }
 
-template <typename T>
-void silu_mul_of(const T* gate, const T* up, T* out, int64_t n) {
+// n values of a gated activation, ``vec`` (silu_mul_vec, gelu_tanh_mul_vec) a vector at a time.
+template <typename T, typename Vec>
+void gated_of(const T* gate, const T* up, T* out, int64_t n, Vec vec) {
   constexpr int L = simd::kLanes;
   int64_t i = 0;
   // Four independent vectors per step: one alone waits on the exp polynomial and the division.
   for (; i + 4 * L <= n; i += 4 * L)
-    for (int v = 0; v < 4; ++v) silu_mul_vec(gate + i + L * v, up + i + L * v, out + i + L * v, L);
-  for (; i < n; i += L) silu_mul_vec(gate + i, up + i, out + i, n - i);
+    for (int v = 0; v < 4; ++v) vec(gate + i + L * v, up + i + L * v, out + i + L * v, L);
+  for (; i < n; i += L) vec(gate + i, up + i, out + i, n - i);
+}
+
+template <typename T>
+void silu_mul_of(const T* gate, const T* up, T* out, int64_t n) {
+  // A lambda, not a function pointer: its own type, so the vector body is inlined.
+  gated_of(gate, up, out, n, [](const T* g, const T* u, T* o, int64_t m) { silu_mul_vec(g, u, o, m); });
+}
+
+template <typename T>
+void gelu_tanh_mul_of(const T* gate, const T* up, T* out, int64_t n) {
+  gated_of(gate, up, out, n, [](const T* g, const T* u, T* o, int64_t m) { gelu_tanh_mul_vec(g, u, o, m); });
 }
 
 // heads x d values: first half x1 c1 - x2 s1, second half x2 c2 + x1 s2, each product rounded.

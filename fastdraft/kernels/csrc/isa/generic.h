@@ -277,10 +277,11 @@ inline void dequant_tile(const WoqView* w, int64_t t, int64_t k, int32_t type, v
 
 // Columns [c0, c1) of one row of RMSNorm over s = round(a + b) (b null: s = a):
 // out = round(w * round(s * inv)), inv = 1 / sqrt(sum(s^2) / h + eps) over all h columns (16
-// fused lanes, reduce_add16); sum[c0:c1] = s where sum is not null. Every column's value is
-// read before it is written, so out may alias a or b.
-inline void rms_norm_row(int32_t type, const void* a, const void* b, const void* weight, void* sum, void* out,
-                         int64_t h, float eps, int64_t c0, int64_t c1) {
+// fused lanes, reduce_add16); or with is_offset (w1 fp32) out = round(w1 * (s * inv)), one
+// rounding; sum[c0:c1] = s where sum is not null. Every column's value is read before it is
+// written, so out may alias a or b.
+inline void rms_norm_row_kind(int32_t type, const void* a, const void* b, const void* weight, bool is_offset,
+                              void* sum, void* out, int64_t h, float eps, int64_t c0, int64_t c1) {
   with_type(type, [&](auto e) {
     using E = decltype(e);
     auto value = [&](int64_t i) { return b ? E::round(E::load(a, i) + E::load(b, i)) : E::load(a, i); };
@@ -293,29 +294,21 @@ inline void rms_norm_row(int32_t type, const void* a, const void* b, const void*
     for (int64_t i = c0; i < c1; ++i) {
       const float v = value(i);
       if (sum) E::store(sum, i, v);
-      E::store(out, i, E::load(weight, i) * E::round(v * inv));
+      if (is_offset) E::store(out, i, static_cast<const float*>(weight)[i] * (v * inv));
+      else E::store(out, i, E::load(weight, i) * E::round(v * inv));
     }
   });
 }
 
-// The offset kind of rms_norm_row: out = round(w1 * (s * inv)) in fp32, w1 fp32.
+inline void rms_norm_row(int32_t type, const void* a, const void* b, const void* weight, void* sum, void* out,
+                         int64_t h, float eps, int64_t c0, int64_t c1) {
+  rms_norm_row_kind(type, a, b, weight, false, sum, out, h, eps, c0, c1);
+}
+
+// The offset kind of rms_norm_row (Gemma's): out = round(w1 * (s * inv)) in fp32, w1 fp32.
 inline void rms_norm_offset_row(int32_t type, const void* a, const void* b, const float* w1, void* sum, void* out,
                                 int64_t h, float eps, int64_t c0, int64_t c1) {
-  with_type(type, [&](auto e) {
-    using E = decltype(e);
-    auto value = [&](int64_t i) { return b ? E::round(E::load(a, i) + E::load(b, i)) : E::load(a, i); };
-    float lanes[16] = {};
-    for (int64_t i = 0; i < h; ++i) {
-      const float v = value(i);
-      lanes[i % 16] = std::fma(v, v, lanes[i % 16]);
-    }
-    const float inv = 1.0f / std::sqrt(reduce_add16(lanes) / static_cast<float>(h) + eps);
-    for (int64_t i = c0; i < c1; ++i) {
-      const float v = value(i);
-      if (sum) E::store(sum, i, v);
-      E::store(out, i, w1[i] * (v * inv));
-    }
-  });
+  rms_norm_row_kind(type, a, b, w1, true, sum, out, h, eps, c0, c1);
 }
 
 // out = round(round(gelu_tanh(gate)) * up), n values; gelu_tanh(g) = g / (1 + exp(-2u)) with
