@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from fastdraft.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from fastdraft.engine.loader import load_model
 from fastdraft.engine.output import RequestOutput
-from fastdraft.engine.tool_calls import check_tools, message_calls, template_messages
+from fastdraft.engine.tool_calls import check_tools, message_calls, prompt_tools, template_messages
 from fastdraft.engine.tool_parsers import tool_parser_for
 from fastdraft.models.files import LoadedModel
 from fastdraft.sampling_params import SamplingParams
@@ -103,13 +103,13 @@ class LLM:
         ``ValueError`` for bad tools."""
         params = sampling_params or SamplingParams()
         use = check_tools(tools, tool_choice, parallel_tool_calls, tool_parser_for(self.tokenizer.chat_template))
-        constraint = use.constraint(self._single_token) if use is not None else None
+        constraint = use.constraint(self.tokenizer) if use is not None else None
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise ValueError("a required tool call cannot also follow structured_outputs")
             params = dataclasses.replace(params, structured_outputs=constraint)
-        rendered_tools = tools if tools and tool_choice != "none" else None
-        prompt = self.tokenizer.encode_chat(template_messages(messages), chat_template_kwargs, rendered_tools)
+        prompt = self.tokenizer.encode_chat(template_messages(messages), chat_template_kwargs,
+                                            prompt_tools(tools, tool_choice))
         output = run_to_completion(self.engine, [prompt], [params])[0]
         if use is not None:
             for completion in output.outputs:
@@ -118,10 +118,6 @@ class LLM:
                 if completion.tool_calls and completion.finish_reason == "stop":
                     completion.finish_reason = "tool_calls"
         return output
-
-    def _single_token(self, text: str) -> int | None:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
 
 
 class PretrainedCausalLM:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastdraft.engine.structured import check_constraint
 from fastdraft.sampling_params import Constraint
+from fastdraft.tokenizer import Tokenizer
 from fastdraft.engine.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, ParsedOutput,
                                            ToolParser)
 
@@ -44,17 +44,17 @@ class ToolUse:
     function: str | None = None
     is_parallel: bool = True
 
-    def constraint(self, single_token: Callable[[str], int | None] = lambda text: None) -> Constraint | None:
+    def constraint(self, tokenizer: Tokenizer | None = None) -> Constraint | None:
         """The grammar of a ``required`` or ``named`` reply (None for ``auto``): the parser's
         call format around a JSON object whose name is a tool's and whose arguments follow that
-        tool's schema. ``single_token``: the id of a tag the vocabulary holds as one token (the
-        grammar then asks for that token, as the model writes it, not for its spelling)."""
+        tool's schema. A tag ``tokenizer``'s vocabulary holds as one token is asked for as that
+        token, as the model writes it, not by its spelling."""
         if self.mode == "auto":
             return None
 
         def tag(text: str) -> str:
-            token = single_token(text)
-            return json.dumps(text) if token is None else f"<[{token}]>"
+            ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+            return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
 
         options = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key(self.parser)],
                     "properties": {"name": {"const": tool["function"]["name"]},
@@ -78,6 +78,11 @@ class ToolUse:
         if not self.is_parallel and len(parsed.tool_calls) > 1:
             parsed = ParsedOutput(parsed.content, parsed.tool_calls[:1])
         return parsed
+
+
+def prompt_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools the chat template lists: none under ``tool_choice: none``."""
+    return tools if tools and tool_choice != "none" else None
 
 
 def arguments_key(parser: ToolParser) -> str:

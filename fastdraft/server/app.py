@@ -40,7 +40,8 @@ from fastdraft.server.engine_process import EngineProcess
 from fastdraft.server.prometheus import ServerMetrics
 from fastdraft.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, RequestError,
                                        error_body)
-from fastdraft.engine.tool_calls import ToolError, ToolUse, check_tools, message_calls, template_messages
+from fastdraft.engine.tool_calls import (ToolError, ToolUse, check_tools, message_calls, prompt_tools,
+                                         template_messages)
 from fastdraft.engine.tool_parsers import ToolCallStream, tool_parser_for
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def build_fastapi_app(load_engine: Callable[[], LLMEngine] | None, config: Serve
             body.check_extra()
             check_model(body.model)
             tool_use = _tool_use(engine, body, config) if is_chat else None
-            jobs = _jobs(engine, body, is_chat, tool_use)
+            jobs = _jobs(engine, body, is_chat)
         except RequestError as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return error(e.status, str(e), kind, e.param, e.code)
@@ -226,13 +227,7 @@ def _tool_use(engine: EngineClient, body: ChatCompletionRequest, config: ServerC
         use = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
     except ToolError as e:
         raise RequestError(str(e), param=e.param) from None
-    tokenizer = engine.info.tokenizer
-
-    def single_token(text: str) -> int | None:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-
-    constraint = use.constraint(single_token) if use is not None else None
+    constraint = use.constraint(engine.info.tokenizer) if use is not None else None
     if constraint is not None:
         if body._constraint is not None:
             raise RequestError("a required tool call cannot also follow response_format or structured_outputs",
@@ -242,13 +237,13 @@ def _tool_use(engine: EngineClient, body: ChatCompletionRequest, config: ServerC
 
 
 def _jobs(engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
-          is_chat: bool, tool_use: ToolUse | None = None) -> list[tuple[list[int], object]]:
+          is_chat: bool) -> list[tuple[list[int], object]]:
     """(prompt token ids, SamplingParams) per choice: ``n`` per prompt, each checked as the
     engine checks it. Text is tokenized here, once, as the engine would tokenize it."""
     tokenizer, vocab_size, max_model_len = engine.info.tokenizer, engine.info.vocab_size, engine.info.max_model_len
     if is_chat:
         try:
-            tools = body.tools if body.tools and body.tool_choice != "none" else None
+            tools = prompt_tools(body.tools, body.tool_choice)
             messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
             prompts = [tokenizer.encode_chat(template_messages(messages), body.chat_template_kwargs, tools)]
         except ToolError as e:
