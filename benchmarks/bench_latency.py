@@ -37,7 +37,7 @@ from fastdraft.engine.loader import load_model
 from fastdraft.fileio import write_json
 from fastdraft.model_config import ModelConfig
 from fastdraft.kernels.memory import huge_page_copy
-from fastdraft.models.files import parse_dtype, resolve_model_dir
+from fastdraft.models.files import LoadedModel, parse_dtype, resolve_model_dir
 from fastdraft.models.registry import KNOWN_MODELS, original_gguf
 from fastdraft.process import configure_process
 from fastdraft.sampling_params import SamplingParams
@@ -144,16 +144,22 @@ def setup_fastdraft(name: str, dtype: str, quant: str | None = None, context_len
         from fastdraft.quant.quantizer import quantize_model
 
         quantize_model(model, config, show_progress=False)
-    # What a user's request runs: the engine, one sequence; no prefix cache, as every system
-    # here prefills the same prompt afresh each round.
+    return engine_system(lm, context_len)
+
+
+def engine_system(lm: LoadedModel, context_len: int) -> System:
+    """What a user's request runs: the engine, one sequence; no prefix cache, as every system
+    here prefills the same prompt afresh each round. A model without a tokenizer (random
+    weights) streams token ids only."""
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=1, max_model_len=context_len, enable_prefix_caching=False))
+    params = {"ignore_eos": True, "detokenize": lm.tokenizer is not None}
 
     def stream(ids: list[int], n: int) -> Iterator[int]:
-        request_id = engine.add_request(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        request_id = engine.add_request(ids, SamplingParams(max_new_tokens=n, **params))
         for delta in engine.outputs(request_id):
             yield from delta.new_token_ids
 
-    return System(stream, model.decode_weight_bytes())
+    return System(stream, lm.model.decode_weight_bytes())
 
 
 def setup_transformers(model_dir: Path, dtype: str) -> System:
@@ -377,7 +383,7 @@ def setup_random(config: ModelConfig, dtype: str, quant: str, context_len: int) 
     quantized as ``quant`` says; a model without files runs on token ids."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastdraft.models.files import LoadedModel, build_model
+    from fastdraft.models.files import build_model
     from fastdraft.quant.quant_config import parse_quant_spec
     from fastdraft.quant.quantizer import quantize_model
 
@@ -390,15 +396,7 @@ def setup_random(config: ModelConfig, dtype: str, quant: str, context_len: int) 
     if spec.is_gguf_native:
         raise SystemExit("--random-weights has no GGUF file: pass an RTN --quant spec")
     quantize_model(model, spec, show_progress=False)
-    lm = LoadedModel(model=model, tokenizer=None, config=config, model_dir=None)
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=1, max_model_len=context_len, enable_prefix_caching=False))
-
-    def stream(ids: list[int], n: int) -> Iterator[int]:
-        request_id = engine.add_request(ids, SamplingParams(max_new_tokens=n, ignore_eos=True, detokenize=False))
-        for delta in engine.outputs(request_id):
-            yield from delta.new_token_ids
-
-    return System(stream, model.decode_weight_bytes())
+    return engine_system(LoadedModel(model=model, tokenizer=None, config=config, model_dir=None), context_len)
 
 
 def bench_random(spec: str, args: argparse.Namespace) -> dict:
